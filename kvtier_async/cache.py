@@ -1,0 +1,415 @@
+"""`TieredKVCache`: the front door. Device blocks <-> primary tier <-> secondary tiers.
+
+    store:  device --copy--> primary slots --(background, per tier)--> secondary tiers
+    load:   secondary tiers --promote--> primary slots --copy--> device
+
+Work proceeds in chunks of `spec.limits.chunk_blocks`, so a call may cover more
+blocks than the primary tier holds. `store` returns once the device blocks may
+be reused; the writes to the secondary tiers go on in the background and
+`flush()` waits for them. Whatever a call holds (pins, filling slots) is given
+back when it returns or raises, cancellation included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from .copy_engine import CopyEngine, as_layer_list, block_widths
+from .errors import ClosedError, InvalidArgumentError
+from .factory import SecondaryTierFactory
+from .keys import check_block_ids, check_keys, check_lengths
+from .primary import PrimaryTier
+from .scheduler import Priority, Scheduler, wait_uncancellable
+from .spec import OffloadingSpec
+from .tier import SecondaryTierManager
+
+__all__ = ["TieredKVCache"]
+
+log = logging.getLogger(__name__)
+
+
+class _Then(enum.Enum):
+    """What a load does after one chunk."""
+
+    GO_ON = "go on with the next chunk"
+    WAIT = "wait for a primary slot to be released, then try again"
+    STOP = "stop: the next key is not available"
+
+
+class TieredKVCache:
+    """KV blocks of `kv_caches` offloaded to a pinned host tier and the spec's secondary tiers.
+
+    `kv_caches` is a tensor, a list of tensors or a dict of them (one per layer,
+    say), each with the device block id as dim 0; the bytes of one block
+    across them must add up to `spec.block_nbytes`. Use one event loop per cache.
+    """
+
+    def __init__(
+        self, spec: OffloadingSpec, kv_caches: Any, *, pin_memory: bool | None = None
+    ) -> None:
+        if not isinstance(spec, OffloadingSpec):
+            raise InvalidArgumentError(
+                f"spec must be a kvtier_async.OffloadingSpec, got {type(spec).__name__}"
+            )
+        layers = as_layer_list(kv_caches)
+        if sum(block_widths(layers)) != spec.block_nbytes:  # checked before allocating anything
+            raise InvalidArgumentError(
+                f"one device block is {sum(block_widths(layers))} bytes across kv_caches "
+                f"({len(layers)} tensors), but spec.block_nbytes is {spec.block_nbytes}"
+            )
+        self.spec = spec
+        self.limits = spec.limits
+        self.primary = PrimaryTier(spec, pin_memory=pin_memory)
+        self.copy_engine = CopyEngine(layers, self.primary, threads=self.limits.copy_threads)
+        self.scheduler = Scheduler(self.limits)
+        self.tiers: list[SecondaryTierManager] = []
+        try:
+            for config in spec.secondary_tiers:
+                tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.view, spec)
+                tier.name = self._unique_name(tier.tier_type)
+                tier.use_scheduler(self.scheduler)
+                self.tiers.append(tier)
+        except BaseException:
+            self.copy_engine.close()
+            raise
+        self.counters: Counter[str] = Counter()
+        self._background: set[asyncio.Task[None]] = set()
+        self._released = asyncio.Event()
+        self.primary.on_release = self._released.set
+        self._closed = False
+
+    def _unique_name(self, tier_type: str) -> str:
+        taken = {tier.name for tier in self.tiers}
+        name, n = tier_type, 1
+        while name in taken:
+            name, n = f"{tier_type}#{n}", n + 1
+        return name
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self.copy_engine.num_device_blocks
+
+    # -- store -----------------------------------------------------------------------------------
+    async def store(self, keys: Sequence[bytes], device_block_ids: Sequence[int]) -> int:
+        """Offload device blocks under `keys`; returns how many leading blocks were accepted.
+
+        Keys already held count as accepted and are not copied again. Returns
+        once the device blocks may be reused; the writes to the secondary tiers
+        continue in the background (`flush()` waits for them). A block is not
+        accepted when no primary slot can be had without waiting on other
+        calls' work: stores are best effort.
+        """
+        keys, ids = self._check_args(keys, device_block_ids)
+        self.counters["store_calls"] += 1
+        own_cascades: set[asyncio.Task[None]] = set()
+        pos = 0
+        while pos < len(keys):
+            end = min(len(keys), pos + self.limits.chunk_blocks)
+            copy_keys: list[bytes] = []
+            copy_ids: list[int] = []
+            slots: list[int] = []
+            i = pos
+            while i < end:
+                key = keys[i]
+                held = self.primary.acquire(key)
+                if held is not None:
+                    self.primary.unpin(held)  # marks it recently used
+                elif not self.primary.is_filling(key):
+                    slot = self.primary.allocate(key)
+                    if slot is None:
+                        break
+                    copy_keys.append(key)
+                    copy_ids.append(ids[i])
+                    slots.append(slot)
+                i += 1
+            if slots:
+                cascade = await self._fill_and_cascade(copy_keys, copy_ids, slots)
+                if cascade is not None:
+                    own_cascades.add(cascade)
+            if i == pos:
+                # Every slot is pinned. Our own earlier chunks will free some; others'
+                # work is not waited for (stores are best effort).
+                own_cascades = {task for task in own_cascades if not task.done()}
+                if not own_cascades:
+                    break
+                await asyncio.wait(own_cascades, return_when=asyncio.FIRST_COMPLETED)
+            pos = i
+        self.counters["stored_blocks"] += pos
+        self.counters["store_rejected_blocks"] += len(keys) - pos
+        return pos
+
+    async def _fill_and_cascade(
+        self, keys: list[bytes], device_ids: list[int], slots: list[int]
+    ) -> asyncio.Task[None] | None:
+        try:
+            await self.copy_engine.to_host(device_ids, slots)
+        except BaseException:
+            for slot in slots:
+                self.primary.abort(slot)
+            raise
+        for slot in slots:
+            self.primary.publish(slot)
+        self.counters["bytes_to_host"] += len(slots) * self.spec.block_nbytes
+        if not self.tiers:
+            for slot in slots:
+                self.primary.unpin(slot)
+            return None
+        task = asyncio.ensure_future(self._cascade(keys, slots))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _cascade(self, keys: list[bytes], slots: list[int]) -> None:
+        """Write-through to every secondary tier; the slots stay pinned until all are done."""
+        try:
+            async with anyio.create_task_group() as group:
+                for tier in self.tiers:
+                    group.start_soon(tier.store, keys, slots)
+        except Exception:
+            self.counters["cascade_errors"] += 1
+            log.exception("writing %d blocks to the secondary tiers failed", len(keys))
+        finally:
+            for slot in slots:
+                self.primary.unpin(slot)
+
+    async def flush(self) -> None:
+        """Wait until every accepted store has reached every secondary tier (or failed there)."""
+        while self._background:
+            await asyncio.wait(set(self._background))
+
+    # -- lookup ------------------------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are available in the primary or any secondary tier."""
+        check_keys(keys)
+        self._check_open()
+        keys = list(keys)
+        n = 0
+        while n < len(keys) and self.primary.lookup(keys[n]) is not None:
+            n += 1
+        if n == len(keys) or not self.tiers:
+            return n
+        sources = await self._locate(keys[n:])
+        return n + (sources.index(None) if None in sources else len(sources))
+
+    async def _locate(
+        self, keys: list[bytes], priority: Priority = Priority.LOAD
+    ) -> list[int | None]:
+        """The index of the first tier holding each key, None if no tier does."""
+        sources: list[int | None] = [None] * len(keys)
+        for t, tier in enumerate(self.tiers):
+            todo = [i for i, source in enumerate(sources) if source is None]
+            if not todo:
+                break
+            present = await tier.lookup_each([keys[i] for i in todo])
+            for i, held in zip(todo, present):
+                if held:
+                    sources[i] = t
+        return sources
+
+    # -- load and prefetch --------------------------------------------------------------------------
+    async def load(
+        self, keys: Sequence[bytes], device_block_ids: Sequence[int], timeout: float | None = None
+    ) -> int:
+        """Copy the longest available prefix of `keys` into `device_block_ids`; returns its length.
+
+        Blocks come from the primary tier, else from the first secondary tier
+        holding them (promoted into the primary tier on the way). With a
+        `timeout` (seconds), returns the prefix complete by then.
+        """
+        keys, ids = self._check_args(keys, device_block_ids)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or timeout < 0):
+            raise InvalidArgumentError(f"timeout must be None or a number >= 0, got {timeout!r}")
+        self.counters["load_calls"] += 1
+        loaded = await self._with_deadline(keys, ids, timeout, Priority.LOAD)
+        self.counters["loaded_blocks"] += loaded
+        return loaded
+
+    async def prefetch(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
+        """Bring the leading available keys into the primary tier; returns how many are there."""
+        check_keys(keys)
+        self._check_open()
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidArgumentError(f"timeout must be None or a number >= 0, got {timeout!r}")
+        self.counters["prefetch_calls"] += 1
+        return await self._with_deadline(list(keys), None, timeout, Priority.PREFETCH)
+
+    async def _with_deadline(
+        self, keys: list[bytes], ids: list[int] | None, timeout: float | None,
+        priority: Priority,
+    ) -> int:
+        progress = [0]
+        if timeout is None:
+            await self._load(keys, ids, progress, priority)
+            return progress[0]
+        task = asyncio.ensure_future(self._load(keys, ids, progress, priority))
+        try:
+            await asyncio.wait({task}, timeout=timeout)
+        finally:
+            if not task.done():
+                task.cancel()
+                self.counters["deadline_misses"] += 1
+            try:
+                await wait_uncancellable(task)
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # we were cancelled from outside
+        return progress[0]
+
+    async def _load(
+        self, keys: list[bytes], ids: list[int] | None, progress: list[int], priority: Priority
+    ) -> None:
+        """Move blocks chunk by chunk until the first one that is not available anywhere."""
+        pos = 0
+        while pos < len(keys):
+            end = min(len(keys), pos + self.limits.chunk_blocks)
+            valid, then = await self._load_chunk(keys, ids, pos, end, priority)
+            pos += valid
+            progress[0] = pos
+            if then is _Then.STOP:
+                return
+            if then is _Then.WAIT:
+                # Nothing could move without a slot someone else holds. No await since
+                # that decision, so no release since then is missed.
+                self._released.clear()
+                await self._released.wait()
+
+    async def _load_chunk(
+        self, keys: list[bytes], ids: list[int] | None, pos: int, end: int, priority: Priority
+    ) -> tuple[int, _Then]:
+        """Load keys[pos:end]; returns how many leading blocks are now valid, and what next."""
+        primary = self.primary
+        slots: list[int | None] = []  # per key from pos: its pinned slot, None until it has one
+        filling: set[int] = set()  # slots allocated here and not published
+        try:
+            # 1. primary hits (pinned), stopping at a key another call is filling right now
+            for i in range(pos, end):
+                if primary.is_filling(keys[i]):
+                    break
+                slots.append(primary.acquire(keys[i]))
+            if not slots:
+                return 0, _Then.WAIT  # its filler will publish or abort it
+            cut = len(slots)  # the prefix that can be valid
+            misses = [j for j, slot in enumerate(slots) if slot is None]
+            promoted = 0  # blocks of the valid prefix that came from a secondary tier
+            if misses:
+                # 2. where each miss is; slots for those before the first that is nowhere
+                sources = await self._locate([keys[pos + j] for j in misses], priority)
+                by_tier: dict[int, list[int]] = {}
+                for j, source in zip(misses, sources):
+                    slot = None if source is None else primary.allocate(keys[pos + j])
+                    if source is None or slot is None:
+                        cut = j
+                        break
+                    slots[j] = slot
+                    filling.add(slot)
+                    by_tier.setdefault(source, []).append(j)
+                if cut == 0:
+                    return 0, (_Then.STOP if sources[0] is None else _Then.WAIT)
+                # 3. promote from the tiers, concurrently per tier
+                ok = await self._promote(keys, pos, slots, by_tier, priority)
+                for j in sorted(ok):
+                    slot = slots[j]
+                    assert slot is not None
+                    if ok[j]:
+                        primary.publish(slot)
+                        filling.discard(slot)  # promoted, kept even past the cut
+                    else:
+                        cut = min(cut, j)
+                promoted = sum(1 for j in ok if ok[j] and j < cut)
+            self.counters["primary_hit_blocks"] += cut - promoted
+            self.counters["promoted_blocks"] += promoted
+            # 4. the valid prefix to the device
+            if ids is not None and cut:
+                prefix = [slot for slot in slots[:cut] if slot is not None]
+                await self.copy_engine.to_device(prefix, ids[pos : pos + cut])
+                self.counters["bytes_to_device"] += cut * self.spec.block_nbytes
+            return cut, (_Then.GO_ON if cut == end - pos else _Then.STOP)
+        finally:
+            for slot in slots:
+                if slot is None:
+                    continue
+                if slot in filling:
+                    primary.abort(slot)
+                else:
+                    primary.unpin(slot)
+
+    async def _promote(
+        self, keys: list[bytes], pos: int, slots: list[int | None], by_tier: dict[int, list[int]],
+        priority: Priority,
+    ) -> dict[int, bool]:
+        ok: dict[int, bool] = {}
+
+        async def from_tier(t: int, js: list[int]) -> None:
+            results = await self.tiers[t].load(
+                [keys[pos + j] for j in js], [slots[j] for j in js],  # type: ignore[misc]
+                priority=priority,
+            )
+            ok.update(zip(js, results))
+
+        async with anyio.create_task_group() as group:
+            for t, js in by_tier.items():
+                group.start_soon(from_tier, t, js)
+        return ok
+
+    # -- the rest ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """A plain dict: primary-tier gauges, call and block counters, limits, and per-tier stats."""
+        out: dict[str, Any] = dict(self.primary.stats())
+        for name in ("store_calls", "stored_blocks", "store_rejected_blocks", "bytes_to_host",
+                     "load_calls", "prefetch_calls", "loaded_blocks", "primary_hit_blocks",
+                     "promoted_blocks", "bytes_to_device", "deadline_misses", "cascade_errors"):
+            out[name] = self.counters[name]
+        out["background_stores"] = len(self._background)
+        out["limits"] = asdict(self.limits)
+        out["tiers"] = {tier.name: tier.stats() for tier in self.tiers}
+        return out
+
+    async def aclose(self) -> None:
+        """Finish the background stores, then close every tier. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.flush()
+        finally:
+            for task in self._background:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                if self._background:
+                    await asyncio.wait(set(self._background))
+                for tier in self.tiers:
+                    await tier.aclose()
+                self.copy_engine.close()
+                self.scheduler.close()
+
+    async def __aenter__(self) -> TieredKVCache:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the cache is closed")
+
+    def _check_args(
+        self, keys: Sequence[bytes], device_block_ids: Sequence[int]
+    ) -> tuple[list[bytes], list[int]]:
+        check_keys(keys)
+        ids = check_block_ids(device_block_ids, self.num_device_blocks, what="device_block_ids")
+        check_lengths(keys, ids)
+        self._check_open()
+        return list(keys), ids

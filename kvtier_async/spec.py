@@ -1,0 +1,189 @@
+"""`OffloadingSpec`: the frozen configuration every part of kvtier_async is sized from."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["ALIGNMENT", "OffloadingSpec", "SchedulerLimits"]
+
+#: Slots of the primary tier start on this boundary, so O_DIRECT can read and
+#: write them in place.
+ALIGNMENT = 4096
+
+# Soft targets the defaults are derived from (documented in the README).
+_BATCH_TARGET_BYTES = 16 << 20  # bytes handed to one write_blocks/read_blocks call
+_CHUNK_TARGET_BYTES = 64 << 20  # bytes one pipeline step of the cache moves
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerLimits:
+    """The concurrency limits in force, every one resolved from an `OffloadingSpec`."""
+
+    io_threads: int
+    """Worker threads shared by the blocking work of all tiers of one cache."""
+    copy_threads: int
+    """Worker threads for device <-> host copies on machines without CUDA."""
+    max_inflight_loads: int
+    """Concurrent `read_blocks` calls per tier."""
+    max_inflight_stores: int
+    """Concurrent `write_blocks` calls per tier."""
+    max_pending_stores: int
+    """Blocks that may wait for a `write_blocks` slot per tier; beyond it stores are dropped."""
+    batch_blocks: int
+    """Blocks handed to one `write_blocks` / `read_blocks` call."""
+    chunk_blocks: int
+    """Blocks one step of a cache `store` / `load` moves through the primary tier."""
+
+
+def _check_positive_int(name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"OffloadingSpec.{name} must be a positive int, got {value!r}")
+
+
+def _freeze_tier_configs(value: object) -> tuple[Mapping[str, Any], ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            "OffloadingSpec.secondary_tiers must be a list of tier configs, "
+            f"got {type(value).__name__}"
+        )
+    frozen = []
+    for i, config in enumerate(value):
+        if not isinstance(config, Mapping):
+            raise ConfigError(
+                f"OffloadingSpec.secondary_tiers[{i}] must be a dict, got {type(config).__name__}"
+            )
+        tier_type = config.get("type")
+        if not isinstance(tier_type, str) or not tier_type:
+            raise ConfigError(
+                f'OffloadingSpec.secondary_tiers[{i}] needs a "type" (a non-empty str)'
+            )
+        # A private deep copy: later changes to the caller's dicts cannot reach us.
+        frozen.append(MappingProxyType(copy.deepcopy(dict(config))))
+    return tuple(frozen)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OffloadingSpec:
+    """Geometry, capacity, tiers and scheduler sizing of one KV cache.
+
+    Every limit in kvtier_async derives from this object; `limits` shows the
+    resolved numbers. The tiers receive the spec itself, as vLLM's do.
+    """
+
+    block_nbytes: int
+    """Bytes of one KV block: all layers, K and V."""
+    num_cpu_blocks: int
+    """Capacity of the primary (pinned host) tier, in blocks."""
+    block_size: int = 16
+    """Tokens per block."""
+    secondary_tiers: Sequence[Mapping[str, Any]] = ()
+    """Tier configs, `{"type": name, **kwargs}`, in lookup order; stored as read-only copies."""
+    namespace: str = "default"
+    """Keeps caches of different models or layouts apart; part of every key and on-disk name."""
+    max_inflight_loads: int | None = None
+    """Concurrent `read_blocks` calls per tier; None: `io_threads`."""
+    max_inflight_stores: int | None = None
+    """Concurrent `write_blocks` calls per tier; None: half of `io_threads`, at least 1."""
+    max_pending_stores: int | None = None
+    """Blocks waiting to be written per tier before stores are dropped; None: `num_cpu_blocks`."""
+    io_threads: int | None = None
+    """Worker threads for blocking tier work; None: 4 per CPU core, between 4 and 32."""
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form settings for out-of-tree tiers; kvtier_async itself reads none of it."""
+    vllm_config: Any = None
+    """The engine config behind this spec, carried through untouched."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_nbytes", self.block_nbytes)
+        _check_positive_int("num_cpu_blocks", self.num_cpu_blocks)
+        _check_positive_int("block_size", self.block_size)
+        for name in ("max_inflight_loads", "max_inflight_stores", "max_pending_stores",
+                     "io_threads"):
+            _check_positive_int(name, getattr(self, name), optional=True)
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(
+                f"OffloadingSpec.namespace must be a non-empty str, got {self.namespace!r}"
+            )
+        if len(self.namespace.encode()) > 255:
+            raise ConfigError("OffloadingSpec.namespace must be at most 255 bytes in UTF-8")
+        if not isinstance(self.extra_config, Mapping):
+            raise ConfigError(
+                f"OffloadingSpec.extra_config must be a dict, got {type(self.extra_config).__name__}"
+            )
+        object.__setattr__(self, "secondary_tiers", _freeze_tier_configs(self.secondary_tiers))
+
+    @property
+    def block_stride(self) -> int:
+        """`block_nbytes` rounded up to 4096: the distance between primary slots."""
+        return -(-self.block_nbytes // ALIGNMENT) * ALIGNMENT
+
+    @property
+    def primary_nbytes(self) -> int:
+        """Bytes of host memory the primary tier takes."""
+        return self.num_cpu_blocks * self.block_stride
+
+    @property
+    def limits(self) -> SchedulerLimits:
+        """The scheduler limits in force, with every `None` resolved from the rest of the spec."""
+        cpus = os.cpu_count() or 1
+        io_threads = self.io_threads or min(32, max(4, 4 * cpus))
+        stride = self.block_stride
+        batch_blocks = max(1, min(256, _BATCH_TARGET_BYTES // stride))
+        chunk_blocks = max(1, min(max(1, self.num_cpu_blocks // 4),
+                                  max(batch_blocks, _CHUNK_TARGET_BYTES // stride)))
+        return SchedulerLimits(
+            io_threads=io_threads,
+            copy_threads=min(4, cpus),
+            max_inflight_loads=self.max_inflight_loads or io_threads,
+            max_inflight_stores=self.max_inflight_stores or max(1, io_threads // 2),
+            max_pending_stores=self.max_pending_stores or self.num_cpu_blocks,
+            batch_blocks=batch_blocks,
+            chunk_blocks=chunk_blocks,
+        )
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> OffloadingSpec:
+        """Build a spec from plain data (JSON, YAML, a vLLM `extra_config`).
+
+        Takes the field names, plus `cpu_bytes_to_use` in place of
+        `num_cpu_blocks` (`num_cpu_blocks = cpu_bytes_to_use // block_stride`).
+        Unknown keys are an error, so a typo does not pass silently.
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"OffloadingSpec config must be a dict, got {type(config).__name__}")
+        data = dict(config)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"cpu_bytes_to_use"})
+        if unknown:
+            raise ConfigError(
+                f"OffloadingSpec got unknown keys {unknown}; known keys: "
+                f"{sorted(known | {'cpu_bytes_to_use'})}"
+            )
+        if "cpu_bytes_to_use" in data:
+            cpu_bytes = data.pop("cpu_bytes_to_use")
+            if "num_cpu_blocks" in data:
+                raise ConfigError(
+                    "OffloadingSpec: give num_cpu_blocks or cpu_bytes_to_use, not both"
+                )
+            _check_positive_int("cpu_bytes_to_use", cpu_bytes)
+            _check_positive_int("block_nbytes", data.get("block_nbytes"))
+            stride = -(-data["block_nbytes"] // ALIGNMENT) * ALIGNMENT
+            if cpu_bytes < stride:
+                raise ConfigError(
+                    f"OffloadingSpec.cpu_bytes_to_use={cpu_bytes} holds no block of "
+                    f"{stride} bytes (block_stride)"
+                )
+            data["num_cpu_blocks"] = cpu_bytes // stride
+        for required in ("block_nbytes", "num_cpu_blocks"):
+            if required not in data:
+                raise ConfigError(f"OffloadingSpec.{required} is required")
+        return cls(**data)

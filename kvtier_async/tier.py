@@ -1,0 +1,356 @@
+"""`SecondaryTierManager`: the contract every secondary tier implements.
+
+The base class owns argument checks, scheduling, batching, opening, closing,
+counters and cancellation. A backend writes four batched hooks (`write_blocks`,
+`read_blocks`, `contains`, `delete`) and, if it needs them, `open_backend` /
+`close_backend` / `backend_stats`.
+
+Block `i` of the primary tier is `primary_kv_view[i*stride : i*stride + block_nbytes]`.
+When `store` or `load` returns or raises (cancellation included), nothing in the
+background touches those primary slots any more: backends finish or abandon
+their use of the buffers before their hook returns, and worker-thread work is
+awaited to the end (`Scheduler.run_blocking`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+
+from .errors import ClosedError, InvalidArgumentError
+from .keys import check_block_ids, check_keys, check_lengths
+from .scheduler import Lane, Priority, Scheduler
+from .spec import OffloadingSpec
+
+__all__ = ["SecondaryTierManager"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SecondaryTierManager(abc.ABC):
+    """Async store / load / lookup of primary-tier slots to and from one secondary tier.
+
+    Usable at once after construction (`await tier.store(...)`); `async with tier:`
+    closes it at the end. Opening work a backend needs runs before its first
+    operation, off the event-loop thread.
+    """
+
+    def __init__(
+        self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str
+    ) -> None:
+        if not isinstance(offloading_spec, OffloadingSpec):
+            raise InvalidArgumentError(
+                f"offloading_spec must be a kvtier_async.OffloadingSpec, "
+                f"got {type(offloading_spec).__name__}"
+            )
+        try:
+            view = memoryview(primary_kv_view).cast("B")
+        except TypeError as exc:
+            raise InvalidArgumentError(
+                f"primary_kv_view must be a C-contiguous writable buffer: {exc}"
+            ) from exc
+        if view.readonly:
+            raise InvalidArgumentError("primary_kv_view must be writable")
+        if view.nbytes < offloading_spec.primary_nbytes:
+            raise InvalidArgumentError(
+                f"primary_kv_view has {view.nbytes} bytes; the spec needs "
+                f"num_cpu_blocks * block_stride = {offloading_spec.primary_nbytes}"
+            )
+        if not isinstance(tier_type, str) or not tier_type:
+            raise InvalidArgumentError(f"tier_type must be a non-empty str, got {tier_type!r}")
+        self.offloading_spec = offloading_spec
+        self.primary_kv_view = view
+        self.tier_type = tier_type
+        #: Name in stats and lane names; a cache makes it unique among its tiers.
+        self.name = tier_type
+        self.block_nbytes = offloading_spec.block_nbytes
+        self.block_stride = offloading_spec.block_stride
+        self.num_blocks = offloading_spec.num_cpu_blocks
+        self.counters: Counter[str] = Counter()
+        self._scheduler: Scheduler | None = None
+        self._owns_scheduler = False
+        self._opened = False
+        self._opening: asyncio.Future[None] | None = None
+        self._closed = False
+        self._active = 0
+        self._idle: asyncio.Event | None = None
+
+    # -- the backend's part ----------------------------------------------------------------
+    @abc.abstractmethod
+    async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        """Write each block under its key; True where the tier now holds exactly those bytes.
+
+        A key the tier already holds may be skipped (True). Must not keep a
+        reference to `blocks` after returning.
+        """
+
+    @abc.abstractmethod
+    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        """Read each key into its block; True only where the block now holds the exact bytes."""
+
+    @abc.abstractmethod
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held (a later read may still miss)."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the keys; returns how many were held."""
+
+    async def open_backend(self) -> None:  # noqa: B027 - optional hook
+        """Opening work (connections, index rebuild); runs once before the first operation."""
+
+    async def close_backend(self) -> None:  # noqa: B027 - optional hook
+        """Release what `open_backend` or the constructor acquired; runs once."""
+
+    def backend_stats(self) -> dict[str, Any]:
+        """Backend-specific gauges and counters merged into `stats()`."""
+        return {}
+
+    # -- helpers for backends ----------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            self._scheduler = Scheduler.from_spec(self.offloading_spec)
+            self._owns_scheduler = True
+        return self._scheduler
+
+    def use_scheduler(self, scheduler: Scheduler) -> None:
+        """Share a cache's scheduler (lanes and worker threads); call before the first operation."""
+        if self._scheduler is not None and self._scheduler is not scheduler:
+            raise RuntimeError(f"tier {self.name!r} already has a scheduler")
+        self._scheduler = scheduler
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking work on the scheduler's worker threads, awaited to its end."""
+        return await self.scheduler.run_blocking(fn, *args)
+
+    def block_view(self, block_id: int) -> memoryview:
+        start = block_id * self.block_stride
+        return self.primary_kv_view[start : start + self.block_nbytes]
+
+    # -- the public operations -----------------------------------------------------------------
+    async def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> list[bool]:
+        """Write primary slots `block_ids` to this tier under `keys`.
+
+        True for each block the tier now holds. Blocks beyond the tier's
+        pending-store budget are dropped at once (False, counted in
+        `stores_dropped`); backend faults are False too, counted in `errors`.
+        """
+        keys, ids = self._check_args(keys, block_ids)
+        results = [False] * len(keys)
+        if not keys:
+            return results
+        with self._operation():
+            lane = self.scheduler.lane(self.name, "store")
+            accepted = lane.reserve_pending(len(keys))
+            self.counters["store_calls"] += 1
+            self.counters["stores_dropped"] += len(keys) - accepted
+            try:
+                await self._ensure_open()
+            except BaseException:
+                lane.release_pending(accepted)
+                raise
+            await self._run_batches(
+                lane, Priority.STORE, self.write_blocks, keys[:accepted], ids[:accepted],
+                results, pending=True,
+            )
+            stored = sum(results)
+            self.counters["stored_blocks"] += stored
+            self.counters["stored_bytes"] += stored * self.block_nbytes
+            self.counters["store_failed_blocks"] += accepted - stored
+        return results
+
+    async def load(
+        self, keys: Sequence[bytes], block_ids: Sequence[int], *,
+        priority: Priority = Priority.LOAD,
+    ) -> list[bool]:
+        """Read `keys` into primary slots `block_ids`; True only where the exact bytes arrived."""
+        keys, ids = self._check_args(keys, block_ids)
+        results = [False] * len(keys)
+        if not keys:
+            return results
+        with self._operation():
+            await self._ensure_open()
+            lane = self.scheduler.lane(self.name, "load")
+            self.counters["load_calls"] += 1
+            await self._run_batches(lane, priority, self.read_blocks, keys, ids, results)
+            hits = sum(results)
+            self.counters["load_hits"] += hits
+            self.counters["load_misses"] += len(keys) - hits
+            self.counters["loaded_bytes"] += hits * self.block_nbytes
+        return results
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys this tier holds."""
+        present = await self.lookup_each(keys, stop_at_miss=True)
+        return present.index(False) if False in present else len(present)
+
+    async def lookup_each(
+        self, keys: Sequence[bytes], *, stop_at_miss: bool = False
+    ) -> list[bool]:
+        """Whether this tier holds each key; a backend fault reads as absent (counted).
+
+        With `stop_at_miss`, batches after the first absent key are not asked
+        about and read as absent.
+        """
+        check_keys(keys)
+        self._check_not_closed()
+        keys = list(keys)
+        present = [False] * len(keys)
+        if not keys:
+            return present
+        with self._operation():
+            await self._ensure_open()
+            self.counters["lookup_calls"] += 1
+            batch = self.offloading_spec.limits.batch_blocks
+            for start in range(0, len(keys), batch):
+                part = keys[start : start + batch]
+                found = await self._guarded("contains", self.contains(part), len(part))
+                present[start : start + len(part)] = found
+                if stop_at_miss and not all(found):
+                    break
+        return present
+
+    async def aclose(self) -> None:
+        """Wait for operations in flight, then close the backend. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._active:
+            assert self._idle is not None
+            await self._idle.wait()
+        with anyio.CancelScope(shield=True):
+            try:
+                if self._opened:
+                    await self.close_backend()
+            finally:
+                if self._owns_scheduler and self._scheduler is not None:
+                    self._scheduler.close()
+
+    async def __aenter__(self: T) -> T:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (calls, blocks, bytes, hits, misses, drops, errors), lanes and backend gauges."""
+        out: dict[str, Any] = {"type": self.tier_type}
+        for name in ("store_calls", "stored_blocks", "stored_bytes", "store_failed_blocks",
+                     "stores_dropped", "load_calls", "load_hits", "load_misses", "loaded_bytes",
+                     "lookup_calls", "errors"):
+            out[name] = self.counters[name]
+        if self._scheduler is not None:
+            out["lanes"] = {
+                direction: self._scheduler.lane(self.name, direction).stats()
+                for direction in ("load", "store")
+            }
+        out.update(self.backend_stats())
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+    def _check_args(
+        self, keys: Sequence[bytes], block_ids: Sequence[int]
+    ) -> tuple[list[bytes], list[int]]:
+        if isinstance(keys, (bytes, str)):
+            raise InvalidArgumentError("keys must be a sequence of bytes, not a single key")
+        check_keys(keys)
+        ids = check_block_ids(block_ids, self.num_blocks)
+        check_lengths(keys, ids)
+        self._check_not_closed()
+        return list(keys), ids
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise ClosedError(f"tier {self.name!r} is closed")
+
+    async def _ensure_open(self) -> None:
+        if self._opened:
+            return
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self.open_backend())
+        opening = self._opening
+        try:
+            await asyncio.shield(opening)
+        except BaseException:
+            if opening.done() and (opening.cancelled() or opening.exception() is not None):
+                self._opening = None  # a failed open is tried again by the next operation
+            raise
+        self._opened = True
+
+    @contextmanager
+    def _operation(self) -> Iterator[None]:
+        """Counts operations in flight, so that `aclose` can wait for them."""
+        self._check_not_closed()
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def _guarded(self, what: str, call: Awaitable[list[bool]], n: int) -> list[bool]:
+        """Await a backend hook; a fault or a malformed answer becomes all-False, counted."""
+        try:
+            result = await call
+        except Exception:
+            self.counters["errors"] += 1
+            log.warning("tier %r: %s failed", self.name, what, exc_info=True)
+            return [False] * n
+        if not isinstance(result, list) or len(result) != n:
+            self.counters["errors"] += 1
+            log.error("tier %r: %s returned %r for %d keys", self.name, what, result, n)
+            return [False] * n
+        return [r is True for r in result]
+
+    async def _run_batches(
+        self, lane: Lane, priority: Priority,
+        hook: Callable[[Sequence[bytes], Sequence[memoryview]], Awaitable[list[bool]]],
+        keys: list[bytes], ids: list[int], results: list[bool], *, pending: bool = False,
+    ) -> None:
+        """Split into batches, each one hook call under a lane place, run concurrently."""
+        batch = self.offloading_spec.limits.batch_blocks
+
+        async def one(start: int) -> None:
+            part_keys = keys[start : start + batch]
+            n = len(part_keys)
+            admitted = False
+            try:
+                async with lane.place(priority):
+                    if pending:
+                        lane.release_pending(n)
+                        admitted = True
+                    views = [self.block_view(i) for i in ids[start : start + batch]]
+                    what = hook.__name__
+                    results[start : start + n] = await self._guarded(what, hook(part_keys, views), n)
+            finally:
+                if pending and not admitted:
+                    lane.release_pending(n)
+
+        if len(keys) <= batch:
+            await one(0)
+            return
+        async with anyio.create_task_group() as group:
+            for start in range(0, len(keys), batch):
+                group.start_soon(one, start)
+

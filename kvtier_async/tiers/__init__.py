@@ -1,0 +1,1 @@
+"""Built-in secondary tiers. Each module is imported only when a config names its type."""

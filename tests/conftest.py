@@ -1,0 +1,38 @@
+"""Every async test runs on the default asyncio loop and on uvloop, under a blocking-call detector."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+from blockbuster import BlockBuster, blockbuster_ctx
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop
+    }
+    if sys.platform != "win32":
+        import uvloop
+
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
+
+
+@pytest.fixture(autouse=True)
+def blockbuster(request: pytest.FixtureRequest) -> Iterator[BlockBuster | None]:
+    """Fail any async test whose code blocks the event-loop thread (file I/O, sleep, locks...)."""
+    if request.node.get_closest_marker("asyncio") is None:
+        yield None
+        return
+    with blockbuster_ctx(["kvtier_async", "tests"]) as detector:
+        yield detector
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line("markers", "slow: a longer end-to-end test")

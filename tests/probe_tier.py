@@ -1,0 +1,22 @@
+"""A memory tier whose reads of chosen keys wait until the test opens a gate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvtier_async.tiers.memory import MemoryTier
+
+
+class GatedTier(MemoryTier):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.gated: set[bytes] = set()
+        self.gate = asyncio.Event()
+        self.reads: list[bytes] = []
+
+    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        self.reads.extend(keys)
+        if self.gated.intersection(keys):
+            await self.gate.wait()
+        return await super().read_blocks(keys, blocks)

@@ -1,0 +1,95 @@
+"""The lane's decisions are synchronous; these tests drive them without any I/O."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtier_async.scheduler import Lane, Priority, wait_uncancellable
+
+
+def test_admits_up_to_capacity() -> None:
+    lane = Lane("t/load", 2)
+    assert lane.try_admit(Priority.LOAD)
+    assert lane.try_admit(Priority.LOAD)
+    assert not lane.try_admit(Priority.LOAD)
+    lane.release()
+    assert lane.inflight == 1 and lane.max_inflight_seen == 2
+
+
+def test_pending_budget_drops_the_excess() -> None:
+    lane = Lane("t/store", 1, max_pending_blocks=10)
+    assert lane.reserve_pending(7) == 7
+    assert lane.reserve_pending(7) == 3
+    assert lane.reserve_pending(1) == 0
+    lane.release_pending(10)
+    assert lane.pending_blocks == 0
+
+
+@pytest.mark.asyncio
+async def test_waiters_go_best_priority_first() -> None:
+    lane = Lane("t/load", 1)
+    await lane.acquire(Priority.LOAD)
+    order: list[str] = []
+
+    async def wait(name: str, priority: Priority) -> None:
+        await lane.acquire(priority)
+        order.append(name)
+        lane.release()
+
+    tasks = [asyncio.ensure_future(wait(n, p)) for n, p in
+             [("store", Priority.STORE), ("prefetch", Priority.PREFETCH), ("load1", Priority.LOAD),
+              ("load2", Priority.LOAD)]]
+    await asyncio.sleep(0)  # let every task queue up
+    assert lane.stats()["queued"] == 4
+    lane.release()
+    await asyncio.gather(*tasks)
+    assert order == ["load1", "load2", "prefetch", "store"]
+    assert lane.inflight == 0 and lane.stats()["queued"] == 0
+
+
+@pytest.mark.asyncio
+async def test_cancelled_waiter_gives_its_turn_away() -> None:
+    lane = Lane("t/load", 1)
+    await lane.acquire(Priority.LOAD)
+    first = asyncio.ensure_future(lane.acquire(Priority.LOAD))
+    second = asyncio.ensure_future(lane.acquire(Priority.STORE))
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    lane.release()
+    await second
+    assert lane.inflight == 1
+    lane.release()
+    assert lane.inflight == 0 and lane.stats()["queued"] == 0
+
+
+@pytest.mark.asyncio
+async def test_granted_then_cancelled_passes_the_place_on() -> None:
+    lane = Lane("t/load", 1)
+    await lane.acquire(Priority.LOAD)
+    first = asyncio.ensure_future(lane.acquire(Priority.LOAD))
+    second = asyncio.ensure_future(lane.acquire(Priority.LOAD))
+    await asyncio.sleep(0)
+    lane.release()  # hands the place to `first`...
+    first.cancel()  # ...which is cancelled before it runs
+    await asyncio.gather(first, return_exceptions=True)
+    await second
+    assert lane.inflight == 1
+    lane.release()
+    assert lane.inflight == 0
+
+
+@pytest.mark.asyncio
+async def test_wait_uncancellable_outlives_a_cancel() -> None:
+    loop = asyncio.get_running_loop()
+    inner: asyncio.Future[int] = loop.create_future()
+    outer = asyncio.ensure_future(wait_uncancellable(inner))
+    await asyncio.sleep(0)
+    outer.cancel()
+    await asyncio.sleep(0)
+    assert not outer.done()  # still waiting for the work it guards
+    inner.set_result(3)
+    with pytest.raises(asyncio.CancelledError):
+        await outer
