@@ -1,11 +1,11 @@
 """kvtier_async: asyncio-native KV-cache offloading across GPU, pinned host memory and shared tiers.
 
-    import kvtier_async as kt
-    spec = kt.OffloadingSpec(block_nbytes=2 << 20, num_cpu_blocks=512,
-                             secondary_tiers=[{"type": "memory"}])
-    async with kt.TieredKVCache(spec, kv_caches) as cache:
-        await cache.store(keys, device_block_ids)
-        n = await cache.load(keys, device_block_ids)
+import kvtier_async as kt
+spec = kt.OffloadingSpec(block_nbytes=2 << 20, num_cpu_blocks=512,
+                         secondary_tiers=[{"type": "memory"}])
+async with kt.TieredKVCache(spec, kv_caches) as cache:
+    await cache.store(keys, device_block_ids)
+    n = await cache.load(keys, device_block_ids)
 """
 
 from .cache import TieredKVCache

@@ -53,9 +53,7 @@ class TieredKVCache:
     across them must add up to `spec.block_nbytes`. Use one event loop per cache.
     """
 
-    def __init__(
-        self, spec: OffloadingSpec, kv_caches: Any, *, pin_memory: bool | None = None
-    ) -> None:
+    def __init__(self, spec: OffloadingSpec, kv_caches: Any, *, pin_memory: bool | None = None) -> None:
         if not isinstance(spec, OffloadingSpec):
             raise InvalidArgumentError(
                 f"spec must be a kvtier_async.OffloadingSpec, got {type(spec).__name__}"
@@ -200,9 +198,7 @@ class TieredKVCache:
         sources = await self._locate(keys[n:])
         return n + (sources.index(None) if None in sources else len(sources))
 
-    async def _locate(
-        self, keys: list[bytes], priority: Priority = Priority.LOAD
-    ) -> list[int | None]:
+    async def _locate(self, keys: list[bytes], priority: Priority = Priority.LOAD) -> list[int | None]:
         """The index of the first tier holding each key, None if no tier does."""
         sources: list[int | None] = [None] * len(keys)
         for t, tier in enumerate(self.tiers):
@@ -226,8 +222,9 @@ class TieredKVCache:
         `timeout` (seconds), returns the prefix complete by then.
         """
         keys, ids = self._check_args(keys, device_block_ids)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or timeout < 0):
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+        ):
             raise InvalidArgumentError(f"timeout must be None or a number >= 0, got {timeout!r}")
         self.counters["load_calls"] += 1
         loaded = await self._with_deadline(keys, ids, timeout, Priority.LOAD)
@@ -244,7 +241,10 @@ class TieredKVCache:
         return await self._with_deadline(list(keys), None, timeout, Priority.PREFETCH)
 
     async def _with_deadline(
-        self, keys: list[bytes], ids: list[int] | None, timeout: float | None,
+        self,
+        keys: list[bytes],
+        ids: list[int] | None,
+        timeout: float | None,
         priority: Priority,
     ) -> int:
         progress = [0]
@@ -344,14 +344,19 @@ class TieredKVCache:
                     primary.unpin(slot)
 
     async def _promote(
-        self, keys: list[bytes], pos: int, slots: list[int | None], by_tier: dict[int, list[int]],
+        self,
+        keys: list[bytes],
+        pos: int,
+        slots: list[int | None],
+        by_tier: dict[int, list[int]],
         priority: Priority,
     ) -> dict[int, bool]:
         ok: dict[int, bool] = {}
 
         async def from_tier(t: int, js: list[int]) -> None:
             results = await self.tiers[t].load(
-                [keys[pos + j] for j in js], [slots[j] for j in js],  # type: ignore[misc]
+                [keys[pos + j] for j in js],
+                [slots[j] for j in js],  # type: ignore[misc]
                 priority=priority,
             )
             ok.update(zip(js, results))
@@ -365,9 +370,20 @@ class TieredKVCache:
     def stats(self) -> dict[str, Any]:
         """A plain dict: primary-tier gauges, call and block counters, limits, and per-tier stats."""
         out: dict[str, Any] = dict(self.primary.stats())
-        for name in ("store_calls", "stored_blocks", "store_rejected_blocks", "bytes_to_host",
-                     "load_calls", "prefetch_calls", "loaded_blocks", "primary_hit_blocks",
-                     "promoted_blocks", "bytes_to_device", "deadline_misses", "cascade_errors"):
+        for name in (
+            "store_calls",
+            "stored_blocks",
+            "store_rejected_blocks",
+            "bytes_to_host",
+            "load_calls",
+            "prefetch_calls",
+            "loaded_blocks",
+            "primary_hit_blocks",
+            "promoted_blocks",
+            "bytes_to_device",
+            "deadline_misses",
+            "cascade_errors",
+        ):
             out[name] = self.counters[name]
         out["background_stores"] = len(self._background)
         out["limits"] = asdict(self.limits)
@@ -396,7 +412,9 @@ class TieredKVCache:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()

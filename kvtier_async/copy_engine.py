@@ -72,9 +72,7 @@ def block_widths(layers: Sequence[torch.Tensor]) -> list[int]:
 class CopyEngine:
     """Moves blocks between `layers` (dim 0 = device block id) and primary slots."""
 
-    def __init__(
-        self, layers: Sequence[torch.Tensor], primary: PrimaryTier, *, threads: int
-    ) -> None:
+    def __init__(self, layers: Sequence[torch.Tensor], primary: PrimaryTier, *, threads: int) -> None:
         widths = block_widths(layers)
         if sum(widths) != primary.block_nbytes:
             raise InvalidArgumentError(

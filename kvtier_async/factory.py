@@ -36,8 +36,11 @@ class SecondaryTierFactory:
     @classmethod
     def register_tier(cls, tier_type: str, module_path: str, class_name: str) -> None:
         """Make `tier_type` create `module_path.class_name`; the module is imported on first use."""
-        for name, value in (("tier_type", tier_type), ("module_path", module_path),
-                            ("class_name", class_name)):
+        for name, value in (
+            ("tier_type", tier_type),
+            ("module_path", module_path),
+            ("class_name", class_name),
+        ):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"register_tier: {name} must be a non-empty str, got {value!r}")
         if tier_type in cls._registry:
@@ -56,9 +59,7 @@ class SecondaryTierFactory:
         return sorted(set(cls._registry) | set(_entry_points()))
 
     @classmethod
-    def get_tier_class(
-        cls, tier_type: str, module_path: str | None = None
-    ) -> type[SecondaryTierManager]:
+    def get_tier_class(cls, tier_type: str, module_path: str | None = None) -> type[SecondaryTierManager]:
         if tier_type in cls._registry:
             module_name, class_name = cls._registry[tier_type]
         elif module_path is not None:
@@ -80,8 +81,7 @@ class SecondaryTierFactory:
         tier_cls = getattr(module, class_name, None)
         if not (isinstance(tier_cls, type) and issubclass(tier_cls, SecondaryTierManager)):
             raise ConfigError(
-                f"tier type {tier_type!r}: {module_name}.{class_name} is not a "
-                "SecondaryTierManager subclass"
+                f"tier type {tier_type!r}: {module_name}.{class_name} is not a SecondaryTierManager subclass"
             )
         return tier_cls
 

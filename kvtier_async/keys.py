@@ -11,7 +11,11 @@ from typing import Any
 from .errors import InvalidArgumentError
 
 __all__ = [
-    "MAX_KEY_BYTES", "block_hashes", "check_block_ids", "check_keys", "check_lengths",
+    "MAX_KEY_BYTES",
+    "block_hashes",
+    "check_block_ids",
+    "check_keys",
+    "check_lengths",
 ]
 
 #: Tiers accept any `bytes` key of 1..MAX_KEY_BYTES bytes.
@@ -69,16 +73,12 @@ def check_keys(keys: Sequence[bytes]) -> None:
         if type(key) is not bytes:
             raise InvalidArgumentError(f"keys[{i}] must be bytes, got {type(key).__name__}")
         if not 1 <= len(key) <= MAX_KEY_BYTES:
-            raise InvalidArgumentError(
-                f"keys[{i}] must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)}"
-            )
+            raise InvalidArgumentError(f"keys[{i}] must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)}")
     if len(set(keys)) != len(keys):
         raise InvalidArgumentError("keys must not repeat within one call")
 
 
-def check_block_ids(
-    block_ids: Sequence[int], num_blocks: int, *, what: str = "block_ids"
-) -> list[int]:
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, *, what: str = "block_ids") -> list[int]:
     """Validate ids in [0, num_blocks), no repeats; returns them as a list of plain ints.
 
     Accepts a list, a tuple, a range or a 1-D integer tensor.
@@ -90,17 +90,13 @@ def check_block_ids(
             raise InvalidArgumentError(f"{what} must hold integers")
         block_ids = block_ids.tolist()
     if isinstance(block_ids, (bytes, str)) or not isinstance(block_ids, Sequence):
-        raise InvalidArgumentError(
-            f"{what} must be a sequence of ints, got {type(block_ids).__name__}"
-        )
+        raise InvalidArgumentError(f"{what} must be a sequence of ints, got {type(block_ids).__name__}")
     ids = list(block_ids)
     for i, block_id in enumerate(ids):
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             raise InvalidArgumentError(f"{what}[{i}] must be an int, got {type(block_id).__name__}")
         if not 0 <= block_id < num_blocks:
-            raise InvalidArgumentError(
-                f"{what}[{i}]={block_id} is out of range [0, {num_blocks})"
-            )
+            raise InvalidArgumentError(f"{what}[{i}]={block_id} is out of range [0, {num_blocks})")
     if len(set(ids)) != len(ids):
         raise InvalidArgumentError(f"{what} must not repeat within one call")
     return ids

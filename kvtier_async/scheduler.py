@@ -170,8 +170,9 @@ class Scheduler:
             if direction == "load":
                 lane = Lane(f"{tier_name}/load", self.limits.max_inflight_loads)
             else:
-                lane = Lane(f"{tier_name}/store", self.limits.max_inflight_stores,
-                            self.limits.max_pending_stores)
+                lane = Lane(
+                    f"{tier_name}/store", self.limits.max_inflight_stores, self.limits.max_pending_stores
+                )
             self._lanes[(tier_name, direction)] = lane
         return lane
 
@@ -179,9 +180,7 @@ class Scheduler:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
         with self._executor_lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.limits.io_threads, thread_name_prefix="kvtier-io"
-                )
+                self._executor = ThreadPoolExecutor(self.limits.io_threads, thread_name_prefix="kvtier-io")
             executor = self._executor
         concurrent: Future[T] = executor.submit(fn, *args)
         return await wait_uncancellable(asyncio.wrap_future(concurrent))

@@ -52,8 +52,7 @@ def _check_positive_int(name: str, value: object, *, optional: bool = False) -> 
 def _freeze_tier_configs(value: object) -> tuple[Mapping[str, Any], ...]:
     if not isinstance(value, (list, tuple)):
         raise ConfigError(
-            "OffloadingSpec.secondary_tiers must be a list of tier configs, "
-            f"got {type(value).__name__}"
+            f"OffloadingSpec.secondary_tiers must be a list of tier configs, got {type(value).__name__}"
         )
     frozen = []
     for i, config in enumerate(value):
@@ -63,9 +62,7 @@ def _freeze_tier_configs(value: object) -> tuple[Mapping[str, Any], ...]:
             )
         tier_type = config.get("type")
         if not isinstance(tier_type, str) or not tier_type:
-            raise ConfigError(
-                f'OffloadingSpec.secondary_tiers[{i}] needs a "type" (a non-empty str)'
-            )
+            raise ConfigError(f'OffloadingSpec.secondary_tiers[{i}] needs a "type" (a non-empty str)')
         # A private deep copy: later changes to the caller's dicts cannot reach us.
         frozen.append(MappingProxyType(copy.deepcopy(dict(config))))
     return tuple(frozen)
@@ -106,13 +103,10 @@ class OffloadingSpec:
         _check_positive_int("block_nbytes", self.block_nbytes)
         _check_positive_int("num_cpu_blocks", self.num_cpu_blocks)
         _check_positive_int("block_size", self.block_size)
-        for name in ("max_inflight_loads", "max_inflight_stores", "max_pending_stores",
-                     "io_threads"):
+        for name in ("max_inflight_loads", "max_inflight_stores", "max_pending_stores", "io_threads"):
             _check_positive_int(name, getattr(self, name), optional=True)
         if not isinstance(self.namespace, str) or not self.namespace:
-            raise ConfigError(
-                f"OffloadingSpec.namespace must be a non-empty str, got {self.namespace!r}"
-            )
+            raise ConfigError(f"OffloadingSpec.namespace must be a non-empty str, got {self.namespace!r}")
         if len(self.namespace.encode()) > 255:
             raise ConfigError("OffloadingSpec.namespace must be at most 255 bytes in UTF-8")
         if not isinstance(self.extra_config, Mapping):
@@ -138,8 +132,9 @@ class OffloadingSpec:
         io_threads = self.io_threads or min(32, max(4, 4 * cpus))
         stride = self.block_stride
         batch_blocks = max(1, min(256, _BATCH_TARGET_BYTES // stride))
-        chunk_blocks = max(1, min(max(1, self.num_cpu_blocks // 4),
-                                  max(batch_blocks, _CHUNK_TARGET_BYTES // stride)))
+        chunk_blocks = max(
+            1, min(max(1, self.num_cpu_blocks // 4), max(batch_blocks, _CHUNK_TARGET_BYTES // stride))
+        )
         return SchedulerLimits(
             io_threads=io_threads,
             copy_threads=min(4, cpus),
@@ -171,9 +166,7 @@ class OffloadingSpec:
         if "cpu_bytes_to_use" in data:
             cpu_bytes = data.pop("cpu_bytes_to_use")
             if "num_cpu_blocks" in data:
-                raise ConfigError(
-                    "OffloadingSpec: give num_cpu_blocks or cpu_bytes_to_use, not both"
-                )
+                raise ConfigError("OffloadingSpec: give num_cpu_blocks or cpu_bytes_to_use, not both")
             _check_positive_int("cpu_bytes_to_use", cpu_bytes)
             _check_positive_int("block_nbytes", data.get("block_nbytes"))
             stride = -(-data["block_nbytes"] // ALIGNMENT) * ALIGNMENT

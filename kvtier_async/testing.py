@@ -59,8 +59,9 @@ class TierContractTests:
 
     @pytest.fixture
     def spec(self) -> OffloadingSpec:
-        return OffloadingSpec(block_nbytes=self.block_nbytes, num_cpu_blocks=self.num_cpu_blocks,
-                              namespace="contract-tests")
+        return OffloadingSpec(
+            block_nbytes=self.block_nbytes, num_cpu_blocks=self.num_cpu_blocks, namespace="contract-tests"
+        )
 
     @pytest.fixture
     def primary(self, spec: OffloadingSpec) -> PrimaryTier:
@@ -98,15 +99,11 @@ class TierContractTests:
 
     # -- the contract -----------------------------------------------------------------------
     @pytest.mark.asyncio
-    async def test_receives_the_spec_itself(
-        self, tier: SecondaryTierManager, spec: OffloadingSpec
-    ) -> None:
+    async def test_receives_the_spec_itself(self, tier: SecondaryTierManager, spec: OffloadingSpec) -> None:
         assert tier.offloading_spec is spec
 
     @pytest.mark.asyncio
-    async def test_round_trip_is_byte_exact(
-        self, tier: SecondaryTierManager, primary: PrimaryTier
-    ) -> None:
+    async def test_round_trip_is_byte_exact(self, tier: SecondaryTierManager, primary: PrimaryTier) -> None:
         keys = [make_key(i) for i in range(8)]
         payloads = self.fill(primary, list(range(8)))
         assert await tier.store(keys, list(range(8))) == [True] * 8
@@ -119,9 +116,7 @@ class TierContractTests:
         assert stats["stored_blocks"] == 8 and stats["load_hits"] == 8
 
     @pytest.mark.asyncio
-    async def test_missing_keys_are_misses(
-        self, tier: SecondaryTierManager, primary: PrimaryTier
-    ) -> None:
+    async def test_missing_keys_are_misses(self, tier: SecondaryTierManager, primary: PrimaryTier) -> None:
         self.fill(primary, [0])
         assert await tier.store([make_key(0)], [0]) == [True]
         result = await tier.load([make_key(0), make_key(99), make_key(1)], [1, 2, 3])
@@ -130,9 +125,7 @@ class TierContractTests:
         assert tier.stats()["load_misses"] == 2
 
     @pytest.mark.asyncio
-    async def test_lookup_counts_leading_keys(
-        self, tier: SecondaryTierManager, primary: PrimaryTier
-    ) -> None:
+    async def test_lookup_counts_leading_keys(self, tier: SecondaryTierManager, primary: PrimaryTier) -> None:
         self.fill(primary, [0, 1, 2])
         await tier.store([make_key(0), make_key(1), make_key(3)], [0, 1, 2])
         assert await tier.lookup([make_key(i) for i in range(4)]) == 2
@@ -173,9 +166,7 @@ class TierContractTests:
         assert self.read(primary, targets) == payloads
 
     @pytest.mark.asyncio
-    async def test_concurrent_calls(
-        self, tier: SecondaryTierManager, primary: PrimaryTier
-    ) -> None:
+    async def test_concurrent_calls(self, tier: SecondaryTierManager, primary: PrimaryTier) -> None:
         payloads = self.fill(primary, list(range(12)))
         keys = [make_key(i, b"conc") for i in range(12)]
         results = await asyncio.gather(
@@ -199,7 +190,7 @@ class TierContractTests:
         async with tier:
             keys = [make_key(i, b"cap") for i in range(10)]
             payloads = {}
-            for i, key in enumerate(keys):
+            for key in keys:
                 [payloads[key]] = self.fill(primary, [0])
                 assert await tier.store([key], [0]) == [True]
             held = await tier.contains(keys)
@@ -227,8 +218,12 @@ class TierContractTests:
         ],
     )
     async def test_argument_errors_change_nothing(
-        self, tier: SecondaryTierManager, primary: PrimaryTier,
-        keys: Any, block_ids: Any, message: str,
+        self,
+        tier: SecondaryTierManager,
+        primary: PrimaryTier,
+        keys: Any,
+        block_ids: Any,
+        message: str,
     ) -> None:
         self.fill(primary, list(range(4)))
         before = self.read(primary, list(range(primary.num_slots)))
@@ -244,7 +239,10 @@ class TierContractTests:
     @pytest.mark.asyncio
     @pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8, 13])
     async def test_cancelled_calls_leave_the_tier_usable(
-        self, tier: SecondaryTierManager, primary: PrimaryTier, spec: OffloadingSpec,
+        self,
+        tier: SecondaryTierManager,
+        primary: PrimaryTier,
+        spec: OffloadingSpec,
         yields: int,
     ) -> None:
         n = spec.num_cpu_blocks // 2
@@ -255,10 +253,7 @@ class TierContractTests:
             for _ in range(yields):
                 await asyncio.sleep(0)  # a scheduling point, not a wait for time
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.gather(task, return_exceptions=True)
             lanes = tier.stats().get("lanes", {})
             for lane in lanes.values():
                 assert lane["inflight"] == 0 and lane["queued"] == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,13 +45,10 @@ class SecondaryTierManager(abc.ABC):
     operation, off the event-loop thread.
     """
 
-    def __init__(
-        self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str
-    ) -> None:
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str) -> None:
         if not isinstance(offloading_spec, OffloadingSpec):
             raise InvalidArgumentError(
-                f"offloading_spec must be a kvtier_async.OffloadingSpec, "
-                f"got {type(offloading_spec).__name__}"
+                f"offloading_spec must be a kvtier_async.OffloadingSpec, got {type(offloading_spec).__name__}"
             )
         try:
             view = memoryview(primary_kv_view).cast("B")
@@ -83,6 +81,9 @@ class SecondaryTierManager(abc.ABC):
         self._closed = False
         self._active = 0
         self._idle: asyncio.Event | None = None
+        # Per direction: calls in flight, and when the current busy period began.
+        self._busy: dict[str, list[float]] = {"store": [0, 0.0], "load": [0, 0.0]}
+        self.busy_seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
 
     # -- the backend's part ----------------------------------------------------------------
     @abc.abstractmethod
@@ -149,7 +150,7 @@ class SecondaryTierManager(abc.ABC):
         results = [False] * len(keys)
         if not keys:
             return results
-        with self._operation():
+        with self._operation("store"):
             lane = self.scheduler.lane(self.name, "store")
             accepted = lane.reserve_pending(len(keys))
             self.counters["store_calls"] += 1
@@ -160,8 +161,13 @@ class SecondaryTierManager(abc.ABC):
                 lane.release_pending(accepted)
                 raise
             await self._run_batches(
-                lane, Priority.STORE, self.write_blocks, keys[:accepted], ids[:accepted],
-                results, pending=True,
+                lane,
+                Priority.STORE,
+                self.write_blocks,
+                keys[:accepted],
+                ids[:accepted],
+                results,
+                pending=True,
             )
             stored = sum(results)
             self.counters["stored_blocks"] += stored
@@ -170,7 +176,10 @@ class SecondaryTierManager(abc.ABC):
         return results
 
     async def load(
-        self, keys: Sequence[bytes], block_ids: Sequence[int], *,
+        self,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        *,
         priority: Priority = Priority.LOAD,
     ) -> list[bool]:
         """Read `keys` into primary slots `block_ids`; True only where the exact bytes arrived."""
@@ -178,7 +187,7 @@ class SecondaryTierManager(abc.ABC):
         results = [False] * len(keys)
         if not keys:
             return results
-        with self._operation():
+        with self._operation("load"):
             await self._ensure_open()
             lane = self.scheduler.lane(self.name, "load")
             self.counters["load_calls"] += 1
@@ -194,9 +203,7 @@ class SecondaryTierManager(abc.ABC):
         present = await self.lookup_each(keys, stop_at_miss=True)
         return present.index(False) if False in present else len(present)
 
-    async def lookup_each(
-        self, keys: Sequence[bytes], *, stop_at_miss: bool = False
-    ) -> list[bool]:
+    async def lookup_each(self, keys: Sequence[bytes], *, stop_at_miss: bool = False) -> list[bool]:
         """Whether this tier holds each key; a backend fault reads as absent (counted).
 
         With `stop_at_miss`, batches after the first absent key are not asked
@@ -240,7 +247,9 @@ class SecondaryTierManager(abc.ABC):
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
@@ -252,10 +261,22 @@ class SecondaryTierManager(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Counters (calls, blocks, bytes, hits, misses, drops, errors), lanes and backend gauges."""
         out: dict[str, Any] = {"type": self.tier_type}
-        for name in ("store_calls", "stored_blocks", "stored_bytes", "store_failed_blocks",
-                     "stores_dropped", "load_calls", "load_hits", "load_misses", "loaded_bytes",
-                     "lookup_calls", "errors"):
+        for name in (
+            "store_calls",
+            "stored_blocks",
+            "stored_bytes",
+            "store_failed_blocks",
+            "stores_dropped",
+            "load_calls",
+            "load_hits",
+            "load_misses",
+            "loaded_bytes",
+            "lookup_calls",
+            "errors",
+        ):
             out[name] = self.counters[name]
+        for direction, seconds in self.busy_seconds.items():
+            out[f"{direction}_busy_seconds"] = round(seconds, 6)
         if self._scheduler is not None:
             out["lanes"] = {
                 direction: self._scheduler.lane(self.name, direction).stats()
@@ -265,9 +286,7 @@ class SecondaryTierManager(abc.ABC):
         return out
 
     # -- internals ---------------------------------------------------------------------------
-    def _check_args(
-        self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[list[bytes], list[int]]:
+    def _check_args(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
         if isinstance(keys, (bytes, str)):
             raise InvalidArgumentError("keys must be a sequence of bytes, not a single key")
         check_keys(keys)
@@ -295,16 +314,25 @@ class SecondaryTierManager(abc.ABC):
         self._opened = True
 
     @contextmanager
-    def _operation(self) -> Iterator[None]:
-        """Counts operations in flight, so that `aclose` can wait for them."""
+    def _operation(self, direction: str | None = None) -> Iterator[None]:
+        """Counts operations in flight, so that `aclose` can wait for them, and busy time."""
         self._check_not_closed()
         if self._idle is None:
             self._idle = asyncio.Event()
         self._active += 1
         self._idle.clear()
+        busy = self._busy[direction] if direction else None
+        if busy is not None:
+            if busy[0] == 0:
+                busy[1] = time.perf_counter()
+            busy[0] += 1
         try:
             yield
         finally:
+            if busy is not None and direction is not None:
+                busy[0] -= 1
+                if busy[0] == 0:
+                    self.busy_seconds[direction] += time.perf_counter() - busy[1]
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
@@ -324,9 +352,15 @@ class SecondaryTierManager(abc.ABC):
         return [r is True for r in result]
 
     async def _run_batches(
-        self, lane: Lane, priority: Priority,
+        self,
+        lane: Lane,
+        priority: Priority,
         hook: Callable[[Sequence[bytes], Sequence[memoryview]], Awaitable[list[bool]]],
-        keys: list[bytes], ids: list[int], results: list[bool], *, pending: bool = False,
+        keys: list[bytes],
+        ids: list[int],
+        results: list[bool],
+        *,
+        pending: bool = False,
     ) -> None:
         """Split into batches, each one hook call under a lane place, run concurrently."""
         batch = self.offloading_spec.limits.batch_blocks
@@ -353,4 +387,3 @@ class SecondaryTierManager(abc.ABC):
         async with anyio.create_task_group() as group:
             for start in range(0, len(keys), batch):
                 group.start_soon(one, start)
-

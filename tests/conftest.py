@@ -14,9 +14,7 @@ from blockbuster import BlockBuster, blockbuster_ctx
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-        "asyncio": asyncio.new_event_loop
-    }
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
     if sys.platform != "win32":
         import uvloop
 

@@ -20,3 +20,14 @@ class GatedTier(MemoryTier):
         if self.gated.intersection(keys):
             await self.gate.wait()
         return await super().read_blocks(keys, blocks)
+
+
+class LyingTier(MemoryTier):
+    """Claims every read succeeded but flips a byte: the demo must notice."""
+
+    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        results = await super().read_blocks(keys, blocks)
+        for block, ok in zip(blocks, results):
+            if ok:
+                block[0] ^= 0xFF
+        return results

@@ -3,11 +3,11 @@ from __future__ import annotations
 import asyncio
 import random
 
+import probe_tier  # imported up front: a first import reads files, which blocks the loop
 import pytest
 import torch
 
 import kvtier_async as kt
-import probe_tier  # imported up front: a first import reads files, which blocks the loop
 
 NUM_DEVICE_BLOCKS = 64
 
@@ -25,11 +25,14 @@ def make_layers(seed: int = 0) -> list[torch.Tensor]:
 BLOCK_NBYTES = 2 * 4 * 16 * 2 + 40 + 4 * 3 * 4
 
 
-def make_spec(num_cpu_blocks: int = 16, tiers: list[dict[str, object]] | None = None,
-              **kwargs: object) -> kt.OffloadingSpec:
+def make_spec(
+    num_cpu_blocks: int = 16, tiers: list[dict[str, object]] | None = None, **kwargs: object
+) -> kt.OffloadingSpec:
     return kt.OffloadingSpec(
-        block_nbytes=BLOCK_NBYTES, num_cpu_blocks=num_cpu_blocks,
-        secondary_tiers=[{"type": "memory"}] if tiers is None else tiers, **kwargs,  # type: ignore[arg-type]
+        block_nbytes=BLOCK_NBYTES,
+        num_cpu_blocks=num_cpu_blocks,
+        secondary_tiers=[{"type": "memory"}] if tiers is None else tiers,
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
@@ -38,8 +41,7 @@ def keys_for(n: int, conversation: int = 0) -> list[bytes]:
 
 
 def block_bytes(layers: list[torch.Tensor], block: int) -> bytes:
-    return b"".join(bytes(layer[block].contiguous().view(torch.uint8).flatten().tolist())
-                    for layer in layers)
+    return b"".join(bytes(layer[block].contiguous().view(torch.uint8).flatten().tolist()) for layer in layers)
 
 
 def snapshot(layers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -51,8 +53,7 @@ def wipe(layers: list[torch.Tensor]) -> None:
         layer.zero_()
 
 
-def same_blocks(a: list[torch.Tensor], ids_a: list[int], b: list[torch.Tensor],
-                ids_b: list[int]) -> bool:
+def same_blocks(a: list[torch.Tensor], ids_a: list[int], b: list[torch.Tensor], ids_b: list[int]) -> bool:
     return all(torch.equal(x[ids_a], y[ids_b]) for x, y in zip(a, b))
 
 
@@ -222,9 +223,7 @@ async def test_load_deadline_returns_the_prefix_done_in_time() -> None:
         ([b"x" * 200], [0], "1..128"),
     ],
 )
-async def test_argument_errors_change_nothing(
-    keys: list[bytes], ids: list[int], message: str
-) -> None:
+async def test_argument_errors_change_nothing(keys: list[bytes], ids: list[int], message: str) -> None:
     layers = make_layers(9)
     async with kt.TieredKVCache(make_spec(), layers) as cache:
         await cache.store(keys_for(3, conversation=7), [10, 11, 12])
@@ -246,8 +245,7 @@ async def test_argument_errors_change_nothing(
     ("layers", "message"),
     [
         ([torch.zeros(4, BLOCK_NBYTES + 1, dtype=torch.uint8)], "block_nbytes"),
-        ([torch.zeros(4, 300, dtype=torch.uint8), torch.zeros(5, 44, dtype=torch.uint8)],
-         "dim 0"),
+        ([torch.zeros(4, 300, dtype=torch.uint8), torch.zeros(5, 44, dtype=torch.uint8)], "dim 0"),
         ([torch.zeros(BLOCK_NBYTES, 4, dtype=torch.uint8).t()], "contiguous"),
         ([], "at least one"),
         ("not tensors", "tensor"),

@@ -73,9 +73,7 @@ def test_bad_configs(
 
 def test_primary_view_must_fit_the_spec(spec: kt.OffloadingSpec) -> None:
     with pytest.raises(kt.InvalidArgumentError, match="primary_kv_view"):
-        kt.SecondaryTierFactory.create_secondary_tier(
-            {"type": "memory"}, memoryview(bytearray(100)), spec
-        )
+        kt.SecondaryTierFactory.create_secondary_tier({"type": "memory"}, memoryview(bytearray(100)), spec)
     with pytest.raises(kt.InvalidArgumentError, match="writable"):
         kt.SecondaryTierFactory.create_secondary_tier(
             {"type": "memory"}, memoryview(bytes(spec.primary_nbytes)), spec
@@ -88,9 +86,7 @@ def test_entry_point_registration(
     dist = tmp_path / "kvtier_plugin_demo-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvtier-plugin-demo\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[kvtier_async.tiers]\nplugin-demo = oot_tier:RecordingTier\n"
-    )
+    (dist / "entry_points.txt").write_text("[kvtier_async.tiers]\nplugin-demo = oot_tier:RecordingTier\n")
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     assert "plugin-demo" in kt.SecondaryTierFactory.known_types()
     tier = kt.SecondaryTierFactory.create_secondary_tier({"type": "plugin-demo"}, view, spec)

@@ -44,8 +44,13 @@ def test_tensor_input_matches_list() -> None:
 def test_deterministic_across_processes() -> None:
     code = "import kvtier_async as kt; print(kt.block_hashes(range(64), 16, namespace='x')[-1].hex())"
     outputs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.strip()
         for seed in ("1", "2")
     }
     assert outputs == {kt.block_hashes(range(64), 16, namespace="x")[-1].hex()}

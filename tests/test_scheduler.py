@@ -38,9 +38,15 @@ async def test_waiters_go_best_priority_first() -> None:
         order.append(name)
         lane.release()
 
-    tasks = [asyncio.ensure_future(wait(n, p)) for n, p in
-             [("store", Priority.STORE), ("prefetch", Priority.PREFETCH), ("load1", Priority.LOAD),
-              ("load2", Priority.LOAD)]]
+    tasks = [
+        asyncio.ensure_future(wait(n, p))
+        for n, p in [
+            ("store", Priority.STORE),
+            ("prefetch", Priority.PREFETCH),
+            ("load1", Priority.LOAD),
+            ("load2", Priority.LOAD),
+        ]
+    ]
     await asyncio.sleep(0)  # let every task queue up
     assert lane.stats()["queued"] == 4
     lane.release()

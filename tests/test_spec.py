@@ -38,10 +38,15 @@ def test_resolved_limits_fill_every_none() -> None:
     assert all(isinstance(v, int) and v > 0 for v in dataclasses.asdict(limits).values())
     assert limits.max_pending_stores == 512  # a whole primary tier's worth is admitted
     assert limits.max_inflight_loads == limits.io_threads
-    explicit = dataclasses.replace(spec, max_inflight_loads=3, max_inflight_stores=2,
-                                   max_pending_stores=7, io_threads=5).limits
-    assert (explicit.max_inflight_loads, explicit.max_inflight_stores,
-            explicit.max_pending_stores, explicit.io_threads) == (3, 2, 7, 5)
+    explicit = dataclasses.replace(
+        spec, max_inflight_loads=3, max_inflight_stores=2, max_pending_stores=7, io_threads=5
+    ).limits
+    assert (
+        explicit.max_inflight_loads,
+        explicit.max_inflight_stores,
+        explicit.max_pending_stores,
+        explicit.io_threads,
+    ) == (3, 2, 7, 5)
 
 
 def test_vllm_config_is_carried_untouched() -> None:
@@ -52,8 +57,12 @@ def test_vllm_config_is_carried_untouched() -> None:
 
 def test_from_dict_with_cpu_bytes() -> None:
     spec = kt.OffloadingSpec.from_dict(
-        {"block_nbytes": 5000, "cpu_bytes_to_use": 10 * 8192 + 100,
-         "secondary_tiers": [{"type": "memory"}], "namespace": "m"}
+        {
+            "block_nbytes": 5000,
+            "cpu_bytes_to_use": 10 * 8192 + 100,
+            "secondary_tiers": [{"type": "memory"}],
+            "namespace": "m",
+        }
     )
     assert spec.num_cpu_blocks == 10
     assert spec.namespace == "m"
@@ -70,12 +79,12 @@ def test_from_dict_with_cpu_bytes() -> None:
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "block_size": 0}, "block_size"),
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "namespace": ""}, "namespace"),
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "io_threads": 0}, "io_threads"),
-        ({"block_nbytes": 4096, "num_cpu_blocks": 1, "max_pending_stores": -1},
-         "max_pending_stores"),
-        ({"block_nbytes": 4096, "num_cpu_blocks": 1, "secondary_tiers": {"type": "memory"}},
-         "secondary_tiers"),
-        ({"block_nbytes": 4096, "num_cpu_blocks": 1, "secondary_tiers": [{"root": "/x"}]},
-         "secondary_tiers"),
+        ({"block_nbytes": 4096, "num_cpu_blocks": 1, "max_pending_stores": -1}, "max_pending_stores"),
+        (
+            {"block_nbytes": 4096, "num_cpu_blocks": 1, "secondary_tiers": {"type": "memory"}},
+            "secondary_tiers",
+        ),
+        ({"block_nbytes": 4096, "num_cpu_blocks": 1, "secondary_tiers": [{"root": "/x"}]}, "secondary_tiers"),
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "extra_config": []}, "extra_config"),
     ],
 )

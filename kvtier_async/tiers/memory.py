@@ -38,8 +38,10 @@ class MemoryTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         if capacity_bytes is None:
             capacity_bytes = 4 * offloading_spec.num_cpu_blocks * offloading_spec.block_nbytes
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or (
-            capacity_bytes < offloading_spec.block_nbytes
+        if (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or (capacity_bytes < offloading_spec.block_nbytes)
         ):
             raise ConfigError(
                 "memory tier: capacity_bytes must be an int of at least one block "
@@ -60,9 +62,7 @@ class MemoryTier(SecondaryTierManager):
                 self._blocks.move_to_end(key)
         # Keep what fits: the tail of a batch larger than the whole tier is not written.
         todo = todo[: self.capacity_blocks]
-        copies = await self.run_blocking(
-            lambda: [_as_tensor(blocks[i]).clone() for i in todo]
-        )
+        copies = await self.run_blocking(lambda: [_as_tensor(blocks[i]).clone() for i in todo])
         for i, copy in zip(todo, copies):
             if keys[i] in self._blocks:  # stored meanwhile by a concurrent call
                 continue
