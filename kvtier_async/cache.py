@@ -196,7 +196,10 @@ class TieredKVCache:
         if n == len(keys) or not self.tiers:
             return n
         sources = await self._locate(keys[n:])
-        return n + (sources.index(None) if None in sources else len(sources))
+        for i, key in enumerate(keys[n:]):
+            if sources[i] is None and self.primary.lookup(key) is None:
+                return n + i
+        return len(keys)
 
     async def _locate(self, keys: list[bytes], priority: Priority = Priority.LOAD) -> list[int | None]:
         """The index of the first tier holding each key, None if no tier does."""
@@ -398,15 +401,21 @@ class TieredKVCache:
         try:
             await self.flush()
         finally:
+            # If flushing was cancelled, the background writes are too; either way the
+            # closing itself runs to its end.
             for task in self._background:
                 task.cancel()
-            with anyio.CancelScope(shield=True):
-                if self._background:
-                    await asyncio.wait(set(self._background))
-                for tier in self.tiers:
-                    await tier.aclose()
-                self.copy_engine.close()
-                self.scheduler.close()
+            await wait_uncancellable(asyncio.ensure_future(self._close_all()))
+
+    async def _close_all(self) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background))
+        try:
+            for tier in self.tiers:
+                await tier.aclose()
+        finally:
+            self.copy_engine.close()
+            self.scheduler.close()
 
     async def __aenter__(self) -> TieredKVCache:
         return self

@@ -51,8 +51,8 @@ class Lane:
         self._seq = itertools.count()
 
     # -- synchronous decisions ---------------------------------------------------------------
-    def try_admit(self, priority: Priority) -> bool:
-        """Take a place now if one is free and nobody is queued; True if taken."""
+    def try_admit(self) -> bool:
+        """Take a place now if one is free and nobody is queued (a waiter comes first)."""
         if self.inflight < self.capacity and self._queued == 0:
             self._take()
             return True
@@ -87,7 +87,7 @@ class Lane:
 
     # -- awaiting around them ----------------------------------------------------------------
     async def acquire(self, priority: Priority) -> None:
-        if self.try_admit(priority):
+        if self.try_admit():
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (int(priority), next(self._seq), waiter))

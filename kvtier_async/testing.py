@@ -154,14 +154,17 @@ class TierContractTests:
         assert await tier.delete([]) == 0
 
     @pytest.mark.asyncio
-    async def test_many_blocks_in_one_call(
+    async def test_a_whole_primary_tier_in_one_call(
         self, tier: SecondaryTierManager, primary: PrimaryTier, spec: OffloadingSpec
     ) -> None:
-        n = spec.num_cpu_blocks // 2
+        # With default limits, an idle tier accepts a store of num_cpu_blocks blocks whole.
+        n = spec.num_cpu_blocks
         keys = [make_key(i, b"many") for i in range(n)]
         payloads = self.fill(primary, list(range(n)))
         assert await tier.store(keys, list(range(n))) == [True] * n
-        targets = list(range(n, 2 * n))
+        assert tier.stats()["stores_dropped"] == 0
+        self.wipe(primary, list(range(n)))
+        targets = list(reversed(range(n)))
         assert await tier.load(keys, targets) == [True] * n
         assert self.read(primary, targets) == payloads
 

@@ -28,7 +28,7 @@ import anyio
 
 from .errors import ClosedError, InvalidArgumentError
 from .keys import check_block_ids, check_keys, check_lengths
-from .scheduler import Lane, Priority, Scheduler
+from .scheduler import Lane, Priority, Scheduler, wait_uncancellable
 from .spec import OffloadingSpec
 
 __all__ = ["SecondaryTierManager"]
@@ -235,13 +235,15 @@ class SecondaryTierManager(abc.ABC):
         if self._active:
             assert self._idle is not None
             await self._idle.wait()
-        with anyio.CancelScope(shield=True):
-            try:
-                if self._opened:
-                    await self.close_backend()
-            finally:
-                if self._owns_scheduler and self._scheduler is not None:
-                    self._scheduler.close()
+        await wait_uncancellable(asyncio.ensure_future(self._close_backend_once()))
+
+    async def _close_backend_once(self) -> None:
+        try:
+            if self._opened:
+                await self.close_backend()
+        finally:
+            if self._owns_scheduler and self._scheduler is not None:
+                self._scheduler.close()
 
     async def __aenter__(self: T) -> T:
         return self

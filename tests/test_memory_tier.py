@@ -11,3 +11,25 @@ class TestMemoryTier(TierContractTests):
     @pytest.fixture
     def tier_config(self) -> dict[str, Any]:
         return {"type": "memory"}
+
+
+@pytest.mark.asyncio
+async def test_stores_beyond_the_pending_budget_are_dropped() -> None:
+    import asyncio
+
+    import kvtier_async as kt
+    from kvtier_async.testing import make_key
+
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=16, max_pending_stores=4)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    tier = kt.SecondaryTierFactory.create_secondary_tier({"type": "memory"}, primary.view, spec)
+    async with tier:
+        keys = [make_key(i) for i in range(10)]
+        first, second = await asyncio.gather(
+            tier.store(keys[:6], list(range(6))), tier.store(keys[6:], list(range(6, 10)))
+        )
+        assert first == [True] * 4 + [False] * 2  # the excess of a call is dropped at once
+        assert second == [False] * 4  # the budget was taken by the first call
+        assert tier.stats()["stores_dropped"] == 6
+        assert tier.stats()["lanes"]["store"]["pending_blocks"] == 0
+        assert await tier.store(keys[6:], list(range(6, 10))) == [True] * 4  # budget back

@@ -11,9 +11,9 @@ from kvtier_async.scheduler import Lane, Priority, wait_uncancellable
 
 def test_admits_up_to_capacity() -> None:
     lane = Lane("t/load", 2)
-    assert lane.try_admit(Priority.LOAD)
-    assert lane.try_admit(Priority.LOAD)
-    assert not lane.try_admit(Priority.LOAD)
+    assert lane.try_admit()
+    assert lane.try_admit()
+    assert not lane.try_admit()
     lane.release()
     assert lane.inflight == 1 and lane.max_inflight_seen == 2
 
