@@ -18,10 +18,10 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
-from types import TracebackType
 from typing import Any
 
 import anyio
+from anyio.abc import AsyncResource
 
 from .copy_engine import CopyEngine, as_layer_list, block_widths
 from .errors import ClosedError, InvalidArgumentError
@@ -45,7 +45,7 @@ class _Then(enum.Enum):
     STOP = "stop: the next key is not available"
 
 
-class TieredKVCache:
+class TieredKVCache(AsyncResource):
     """KV blocks of `kv_caches` offloaded to a pinned host tier and the spec's secondary tiers.
 
     `kv_caches` is a tensor, a list of tensors or a dict of them (one per layer,
@@ -416,17 +416,6 @@ class TieredKVCache:
         finally:
             self.copy_engine.close()
             self.scheduler.close()
-
-    async def __aenter__(self) -> TieredKVCache:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -21,10 +21,10 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
+from anyio.abc import AsyncResource
 
 from .errors import ClosedError, InvalidArgumentError
 from .keys import check_block_ids, check_keys, check_lengths
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class SecondaryTierManager(abc.ABC):
+class SecondaryTierManager(AsyncResource):
     """Async store / load / lookup of primary-tier slots to and from one secondary tier.
 
     Usable at once after construction (`await tier.store(...)`); `async with tier:`
@@ -106,10 +106,10 @@ class SecondaryTierManager(abc.ABC):
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Remove the keys; returns how many were held."""
 
-    async def open_backend(self) -> None:  # noqa: B027 - optional hook
+    async def open_backend(self) -> None:
         """Opening work (connections, index rebuild); runs once before the first operation."""
 
-    async def close_backend(self) -> None:  # noqa: B027 - optional hook
+    async def close_backend(self) -> None:
         """Release what `open_backend` or the constructor acquired; runs once."""
 
     def backend_stats(self) -> dict[str, Any]:
@@ -244,17 +244,6 @@ class SecondaryTierManager(abc.ABC):
         finally:
             if self._owns_scheduler and self._scheduler is not None:
                 self._scheduler.close()
-
-    async def __aenter__(self: T) -> T:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     @property
     def closed(self) -> bool:
