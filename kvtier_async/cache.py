@@ -37,6 +37,13 @@ __all__ = ["TieredKVCache"]
 log = logging.getLogger(__name__)
 
 
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise InvalidArgumentError(f"timeout must be None or a number >= 0, got {timeout!r}")
+
+
 class _Then(enum.Enum):
     """What a load does after one chunk."""
 
@@ -201,7 +208,7 @@ class TieredKVCache(AsyncResource):
                 return n + i
         return len(keys)
 
-    async def _locate(self, keys: list[bytes], priority: Priority = Priority.LOAD) -> list[int | None]:
+    async def _locate(self, keys: list[bytes]) -> list[int | None]:
         """The index of the first tier holding each key, None if no tier does."""
         sources: list[int | None] = [None] * len(keys)
         for t, tier in enumerate(self.tiers):
@@ -225,10 +232,7 @@ class TieredKVCache(AsyncResource):
         `timeout` (seconds), returns the prefix complete by then.
         """
         keys, ids = self._check_args(keys, device_block_ids)
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
-        ):
-            raise InvalidArgumentError(f"timeout must be None or a number >= 0, got {timeout!r}")
+        _check_timeout(timeout)
         self.counters["load_calls"] += 1
         loaded = await self._with_deadline(keys, ids, timeout, Priority.LOAD)
         self.counters["loaded_blocks"] += loaded
@@ -237,9 +241,8 @@ class TieredKVCache(AsyncResource):
     async def prefetch(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
         """Bring the leading available keys into the primary tier; returns how many are there."""
         check_keys(keys)
+        _check_timeout(timeout)
         self._check_open()
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidArgumentError(f"timeout must be None or a number >= 0, got {timeout!r}")
         self.counters["prefetch_calls"] += 1
         return await self._with_deadline(list(keys), None, timeout, Priority.PREFETCH)
 
@@ -302,22 +305,26 @@ class TieredKVCache(AsyncResource):
             if not slots:
                 return 0, _Then.WAIT  # its filler will publish or abort it
             cut = len(slots)  # the prefix that can be valid
+            then = _Then.GO_ON  # a short chunk goes on: the next one starts at the cut
             misses = [j for j, slot in enumerate(slots) if slot is None]
             promoted = 0  # blocks of the valid prefix that came from a secondary tier
             if misses:
                 # 2. where each miss is; slots for those before the first that is nowhere
-                sources = await self._locate([keys[pos + j] for j in misses], priority)
+                sources = await self._locate([keys[pos + j] for j in misses])
                 by_tier: dict[int, list[int]] = {}
                 for j, source in zip(misses, sources):
-                    slot = None if source is None else primary.allocate(keys[pos + j])
-                    if source is None or slot is None:
-                        cut = j
+                    if source is None:
+                        cut, then = j, _Then.STOP
+                        break
+                    slot = primary.allocate(keys[pos + j])
+                    if slot is None:
+                        cut = j  # every slot is pinned: go on (or wait) from here
                         break
                     slots[j] = slot
                     filling.add(slot)
                     by_tier.setdefault(source, []).append(j)
                 if cut == 0:
-                    return 0, (_Then.STOP if sources[0] is None else _Then.WAIT)
+                    return 0, (_Then.WAIT if then is _Then.GO_ON else then)
                 # 3. promote from the tiers, concurrently per tier
                 ok = await self._promote(keys, pos, slots, by_tier, priority)
                 for j in sorted(ok):
@@ -326,8 +333,8 @@ class TieredKVCache(AsyncResource):
                     if ok[j]:
                         primary.publish(slot)
                         filling.discard(slot)  # promoted, kept even past the cut
-                    else:
-                        cut = min(cut, j)
+                    elif j < cut:
+                        cut, then = j, _Then.STOP  # present, but the read failed or was wrong
                 promoted = sum(1 for j in ok if ok[j] and j < cut)
             self.counters["primary_hit_blocks"] += cut - promoted
             self.counters["promoted_blocks"] += promoted
@@ -336,7 +343,7 @@ class TieredKVCache(AsyncResource):
                 prefix = [slot for slot in slots[:cut] if slot is not None]
                 await self.copy_engine.to_device(prefix, ids[pos : pos + cut])
                 self.counters["bytes_to_device"] += cut * self.spec.block_nbytes
-            return cut, (_Then.GO_ON if cut == end - pos else _Then.STOP)
+            return cut, then
         finally:
             for slot in slots:
                 if slot is None:

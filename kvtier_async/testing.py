@@ -55,7 +55,7 @@ class TierContractTests:
     # -- fixtures ---------------------------------------------------------------------------
     @pytest.fixture
     def tier_config(self) -> dict[str, Any]:
-        raise NotImplementedError("a TierContractTests subclass must provide a tier_config fixture")
+        pytest.fail("a TierContractTests subclass must provide a tier_config fixture")
 
     @pytest.fixture
     def spec(self) -> OffloadingSpec:

@@ -329,3 +329,34 @@ async def test_concurrent_requests_with_random_cancellations_stay_exact() -> Non
             assert await cache.load(keys, ids) == 8
             assert same_blocks(reference, ids, layers, ids)
         assert cache.stats()["primary_pinned_blocks"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_load_waits_for_a_block_another_load_is_promoting() -> None:
+    layers = make_layers(13)
+    tiers = [{"type": "GatedTier", "module_path": "probe_tier"}]
+    keys = keys_for(6)
+    async with kt.TieredKVCache(make_spec(num_cpu_blocks=16, tiers=tiers), layers) as cache:
+        gated = cache.tiers[0]
+        assert isinstance(gated, probe_tier.GatedTier)
+        await cache.store(keys, list(range(6)))
+        await cache.flush()
+        await cache.store(keys_for(16, conversation=2), list(range(40, 56)))  # evicts all six
+        await cache.flush()
+        assert all(cache.primary.lookup(k) is None for k in keys)
+        original = snapshot(layers)
+        wipe(layers)
+        gated.gated.update(keys)
+        first = asyncio.ensure_future(cache.load(keys, list(range(6))))
+        while not cache.primary.is_filling(keys[0]):
+            await asyncio.sleep(0)
+        second = asyncio.ensure_future(cache.load(keys, list(range(10, 16))))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not second.done()  # it waits for the blocks the first load is filling
+        gated.gate.set()
+        assert await first == 6 and await second == 6
+        assert same_blocks(original, list(range(6)), layers, list(range(6)))
+        assert same_blocks(original, list(range(6)), layers, list(range(10, 16)))
+        assert sorted(gated.reads) == sorted(keys)  # each block was read from the tier once
+        assert cache.stats()["primary_pinned_blocks"] == 0
