@@ -13,11 +13,13 @@ class GatedTier(MemoryTier):
         super().__init__(*args, **kwargs)
         self.gated: set[bytes] = set()
         self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()  # set once a read is held at the gate
         self.reads: list[bytes] = []
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         self.reads.extend(keys)
         if self.gated.intersection(keys):
+            self.waiting.set()
             await self.gate.wait()
         return await super().read_blocks(keys, blocks)
 

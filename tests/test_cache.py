@@ -348,8 +348,8 @@ async def test_a_load_waits_for_a_block_another_load_is_promoting() -> None:
         wipe(layers)
         gated.gated.update(keys)
         first = asyncio.ensure_future(cache.load(keys, list(range(6))))
-        while not cache.primary.is_filling(keys[0]):
-            await asyncio.sleep(0)
+        await gated.waiting.wait()
+        assert cache.primary.is_filling(keys[0])
         second = asyncio.ensure_future(cache.load(keys, list(range(10, 16))))
         for _ in range(5):
             await asyncio.sleep(0)
