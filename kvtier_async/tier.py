@@ -155,11 +155,15 @@ class SecondaryTierManager(AsyncResource):
             accepted = lane.reserve_pending(len(keys))
             self.counters["store_calls"] += 1
             self.counters["stores_dropped"] += len(keys) - accepted
+            opened = False
             try:
-                await self._ensure_open()
-            except BaseException:
-                lane.release_pending(accepted)
-                raise
+                opened = await self._ensure_open()
+            finally:
+                if not opened:
+                    lane.release_pending(accepted)
+            if not opened:
+                self.counters["store_failed_blocks"] += accepted
+                return results
             await self._run_batches(
                 lane,
                 Priority.STORE,
@@ -188,7 +192,9 @@ class SecondaryTierManager(AsyncResource):
         if not keys:
             return results
         with self._operation("load"):
-            await self._ensure_open()
+            if not await self._ensure_open():
+                self.counters["load_misses"] += len(keys)
+                return results
             lane = self.scheduler.lane(self.name, "load")
             self.counters["load_calls"] += 1
             await self._run_batches(lane, priority, self.read_blocks, keys, ids, results)
@@ -216,7 +222,8 @@ class SecondaryTierManager(AsyncResource):
         if not keys:
             return present
         with self._operation():
-            await self._ensure_open()
+            if not await self._ensure_open():
+                return present
             self.counters["lookup_calls"] += 1
             batch = self.offloading_spec.limits.batch_blocks
             for start in range(0, len(keys), batch):
@@ -290,19 +297,30 @@ class SecondaryTierManager(AsyncResource):
         if self._closed:
             raise ClosedError(f"tier {self.name!r} is closed")
 
-    async def _ensure_open(self) -> None:
+    async def _ensure_open(self) -> bool:
+        """Open the backend once; False (counted, logged) if opening failed this time.
+
+        A failed open is a backend fault like any other: the operation reports
+        misses or failed stores, and the next operation tries to open again.
+        """
         if self._opened:
-            return
+            return True
         if self._opening is None:
             self._opening = asyncio.ensure_future(self.open_backend())
         opening = self._opening
         try:
             await asyncio.shield(opening)
-        except BaseException:
-            if opening.done() and (opening.cancelled() or opening.exception() is not None):
-                self._opening = None  # a failed open is tried again by the next operation
+        except asyncio.CancelledError:
+            if opening.cancelled():
+                self._opening = None
             raise
+        except Exception:
+            self._opening = None
+            self.counters["errors"] += 1
+            log.warning("tier %r: opening failed", self.name, exc_info=True)
+            return False
         self._opened = True
+        return True
 
     @contextmanager
     def _operation(self, direction: str | None = None) -> Iterator[None]:

@@ -33,3 +33,16 @@ class LyingTier(MemoryTier):
             if ok:
                 block[0] ^= 0xFF
         return results
+
+
+class FlakyOpenTier(MemoryTier):
+    """Its first open fails, as a server that is not up yet would."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.open_attempts = 0
+
+    async def open_backend(self) -> None:
+        self.open_attempts += 1
+        if self.open_attempts == 1:
+            raise OSError("connection refused")

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import probe_tier  # noqa: F401 - imported up front: a first import reads files
 import pytest
 
 from kvtier_async.testing import TierContractTests
@@ -33,3 +34,20 @@ async def test_stores_beyond_the_pending_budget_are_dropped() -> None:
         assert tier.stats()["stores_dropped"] == 6
         assert tier.stats()["lanes"]["store"]["pending_blocks"] == 0
         assert await tier.store(keys[6:], list(range(6, 10))) == [True] * 4  # budget back
+
+
+@pytest.mark.asyncio
+async def test_a_failed_open_is_a_fault_not_an_exception_and_is_retried() -> None:
+    import kvtier_async as kt
+    from kvtier_async.testing import make_key
+
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=4)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    config = {"type": "FlakyOpenTier", "module_path": "probe_tier"}
+    async with kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec) as tier:
+        assert await tier.store([make_key(0)], [0]) == [False]
+        stats = tier.stats()
+        assert stats["errors"] == 1 and stats["store_failed_blocks"] == 1
+        assert stats["lanes"]["store"]["pending_blocks"] == 0
+        assert await tier.store([make_key(0)], [0]) == [True]  # opened on the second try
+        assert await tier.load([make_key(0)], [1]) == [True]
