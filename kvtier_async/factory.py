@@ -114,3 +114,4 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 
 
 SecondaryTierFactory.register_tier("memory", "kvtier_async.tiers.memory", "MemoryTier")
+SecondaryTierFactory.register_tier("fs", "kvtier_async.tiers.fs", "FileSystemTier")

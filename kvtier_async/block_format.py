@@ -1,0 +1,91 @@
+"""The self-verifying block format shared by tiers that keep blocks outside this process.
+
+A stored block is a 4096-byte header followed by the payload:
+
+    offset  size  field
+    0       8     magic b"KVTBLK\\x00\\x01"
+    8       2     format version (1)
+    10      2     key length (1..128)
+    12      4     reserved (0)
+    16      16    namespace id (BLAKE2b-128 of the namespace)
+    32      8     payload length in bytes
+    40      8     payload checksum (XXH3-64)
+    48      128   key, zero-padded
+    176     8     header checksum (XXH3-64 of bytes 0..175)
+    184     ...   zero padding to 4096
+
+The payload starts 4096 bytes in, so O_DIRECT can move it straight between
+the file and an aligned primary slot. A block is good only if the header
+checksum, magic, version, namespace, key and length all match what the reader
+expects and the payload hashes to the stored checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import xxhash
+
+from .keys import MAX_KEY_BYTES
+
+__all__ = [
+    "HEADER_BYTES",
+    "CorruptBlockError",
+    "namespace_id",
+    "pack_header",
+    "payload_checksum",
+    "read_header",
+    "verify_header",
+]
+
+HEADER_BYTES = 4096
+MAGIC = b"KVTBLK\x00\x01"
+VERSION = 1
+_FIELDS = struct.Struct("<8sHHI16sQQ128s")
+_CHECKED = _FIELDS.size  # 176
+_CHECKSUM = struct.Struct("<Q")
+
+
+class CorruptBlockError(Exception):
+    """A stored block failed verification (internal: tiers turn it into a counted miss)."""
+
+
+def namespace_id(namespace: str) -> bytes:
+    return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+
+
+def payload_checksum(payload: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def pack_header(into: memoryview, *, namespace: bytes, key: bytes, payload_len: int, checksum: int) -> None:
+    """Write a header into `into` (at least HEADER_BYTES long; the rest is zeroed)."""
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
+    fields = _FIELDS.pack(MAGIC, VERSION, len(key), 0, namespace, payload_len, checksum, key)
+    into[:_CHECKED] = fields
+    into[_CHECKED : _CHECKED + 8] = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
+    into[_CHECKED + 8 : HEADER_BYTES] = bytes(HEADER_BYTES - _CHECKED - 8)
+
+
+def read_header(header: memoryview | bytes) -> tuple[bytes, bytes, int, int]:
+    """(namespace id, key, payload length, payload checksum) of a header, or CorruptBlockError."""
+    if len(header) < _CHECKED + 8:
+        raise CorruptBlockError("short header")
+    fields = bytes(header[:_CHECKED])
+    (stored,) = _CHECKSUM.unpack(header[_CHECKED : _CHECKED + 8])
+    if xxhash.xxh3_64_intdigest(fields) != stored:
+        raise CorruptBlockError("header checksum mismatch")
+    magic, version, key_len, _, namespace, payload_len, checksum, key = _FIELDS.unpack(fields)
+    if magic != MAGIC or version != VERSION or not 1 <= key_len <= MAX_KEY_BYTES:
+        raise CorruptBlockError("bad magic, version or key length")
+    return namespace, key[:key_len], payload_len, checksum
+
+
+def verify_header(header: memoryview | bytes, *, namespace: bytes, key: bytes, payload_len: int) -> int:
+    """Check a header against what the reader expects; returns the payload checksum."""
+    got_namespace, got_key, got_len, checksum = read_header(header)
+    if got_namespace != namespace or got_key != key or got_len != payload_len:
+        raise CorruptBlockError("header names another namespace, key or length")
+    return checksum

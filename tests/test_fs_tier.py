@@ -1,0 +1,302 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fs_helpers as h
+import pytest
+
+import kvtier_async as kt
+import kvtier_async.tiers.fs
+from kvtier_async.spec import OffloadingSpec
+from kvtier_async.testing import TierContractTests
+from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+
+
+class FsContract(TierContractTests):
+    def capacity_bytes_for(self, blocks: int, spec: OffloadingSpec) -> int:
+        return blocks * (record_bytes_for(spec.block_nbytes) + 4 * ENTRY)
+
+
+class TestFileSystemTierDirect(FsContract):
+    @pytest.fixture
+    def tier_config(self, tmp_path: Path) -> dict[str, Any]:
+        return {"type": "fs", "root": str(tmp_path / "cache"), "direct_io": True}
+
+
+class TestFileSystemTierBuffered(FsContract):
+    @pytest.fixture
+    def tier_config(self, tmp_path: Path) -> dict[str, Any]:
+        return {"type": "fs", "root": str(tmp_path / "cache"), "direct_io": False}
+
+
+class TestFileSystemTierOnTmpfs(FsContract):
+    @pytest.fixture
+    def tier_config(self) -> Iterator[dict[str, Any]]:
+        if not Path("/dev/shm").is_dir():
+            pytest.skip("no tmpfs at /dev/shm")
+        path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
+        try:
+            yield {"type": "fs", "root": str(path), "direct_io": "auto"}
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# -- file-system specific behaviour ----------------------------------------------------------------
+HERE = Path(__file__).parent
+
+
+def slab_files(root: Path, kind: str = "kvs") -> list[Path]:
+    return sorted(root.glob(f"kvtier-*/slab-*.{kind}"))
+
+
+def files(root: Path, pattern: str = "*") -> list[Path]:
+    """Tests look at the disk through this, on a worker thread: it blocks."""
+    return sorted(root.rglob(pattern))
+
+
+def damage_slab(root: Path, damage: str, victim: int) -> None:
+    from kvtier_async.tiers.fs_layout import record_bytes_for
+
+    [slab] = slab_files(root)
+    size = record_bytes_for(h.BLOCK_NBYTES)
+    if damage == "delete":
+        slab.unlink()
+        return
+    with open(slab, "r+b") as f:
+        if damage in ("flip-payload", "flip-header"):
+            at = victim * size + (4096 + 1000 if damage == "flip-payload" else 60)
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0x81]))
+        elif damage == "zero":
+            f.seek(victim * size)
+            f.write(bytes(size))
+        elif damage == "truncate":
+            f.truncate(victim * size + 4096 + 10)
+
+
+def run_writer(root: Path, start: int, count: int) -> list[int]:
+    out = subprocess.run(
+        [sys.executable, str(HERE / "fs_helpers.py"), str(root), str(start), str(count)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=HERE,
+    ).stdout
+    return [int(i) for line in out.split() for i in [line]]
+
+
+@pytest.mark.asyncio
+async def test_blocks_survive_a_restart_in_another_process(tmp_path: Path) -> None:
+    acknowledged = await asyncio.to_thread(run_writer, tmp_path, 0, 20)
+    assert acknowledged == list(range(20))
+    tier, primary = h.make_tier(str(tmp_path))
+    async with tier:
+        keys = [h.key_for(i) for i in range(20)]
+        assert await h.load_and_check(tier, primary, keys) == [True] * 20
+        assert tier.stats()["corrupt_blocks"] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_sigkill_at_a_random_moment_loses_nothing_acknowledged(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(HERE / "fs_helpers.py"),
+        str(tmp_path),
+        "0",
+        "100000",
+        stdout=asyncio.subprocess.PIPE,
+        cwd=HERE,
+    )
+    assert proc.stdout is not None
+    acknowledged: list[int] = []
+    wanted = rng.randint(3, 40)  # batches to see acknowledged before the kill
+    while len(acknowledged) < wanted * 4:
+        line = await proc.stdout.readline()
+        assert line, "the writer stopped early"
+        acknowledged += [int(i) for i in line.split()]
+    for _ in range(rng.randint(0, 50)):
+        await asyncio.sleep(0)  # let the writer get somewhere into the next batch
+    proc.send_signal(signal.SIGKILL)
+    await proc.wait()
+    tier, primary = h.make_tier(str(tmp_path))
+    async with tier:
+        assert not await asyncio.to_thread(files, tmp_path, "*.tmp"), "temporary files survived"
+        top = max(acknowledged) + 8
+        keys = [h.key_for(i) for i in range(top)]
+        results: list[bool | None] = []
+        for start in range(0, top, 16):
+            results += await h.load_and_check(tier, primary, keys[start : start + 16])
+        assert None not in results, "wrong bytes after a crash"
+        assert all(results[i] for i in acknowledged), "an acknowledged block was lost"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("damage", ["flip-payload", "flip-header", "zero", "truncate", "delete"])
+async def test_damaged_blocks_are_counted_misses(tmp_path: Path, damage: str) -> None:
+    tier, primary = h.make_tier(str(tmp_path))
+    keys = [h.key_for(i) for i in range(8)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 8
+    victim = 5  # record 5 holds key 5: a fresh slab fills from record 0 in order
+    await asyncio.to_thread(damage_slab, tmp_path, damage, victim)
+    tier, primary = h.make_tier(str(tmp_path))
+    async with tier:
+        results = await h.load_and_check(tier, primary, keys)
+        assert None not in results
+        if damage == "delete":
+            assert results == [False] * 8
+        elif damage == "truncate":
+            assert results == [True] * 5 + [False] * 3
+        else:
+            assert results == [True] * 5 + [False] + [True] * 2
+            assert tier.stats()["corrupt_blocks"] == 1
+            assert await tier.contains([keys[victim]]) == [False]  # dropped
+    tier, primary = h.make_tier(str(tmp_path))
+    async with tier:  # and still gone after another restart
+        assert (await tier.contains([keys[victim]])) == [False]
+
+
+@pytest.mark.asyncio
+async def test_hostile_keys_stay_inside_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    tier, primary = h.make_tier(str(root))
+    keys = [b"../x", b"/etc/passwd", b"..", b"a\x00b", b"\\..\\y", b"x" * 128]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * len(keys)
+        assert await h.load_and_check(tier, primary, keys) == [True] * len(keys)
+    assert [p.name for p in await asyncio.to_thread(files, tmp_path, "*") if p.parent == tmp_path] == ["root"]
+    names = {p.name for p in await asyncio.to_thread(files, root)}
+    assert all(n.startswith(("kvtier-", "slab-")) or n in ("NAMESPACE", "LOCK") for n in names)
+
+
+@pytest.mark.asyncio
+async def test_namespaces_never_see_each_other(tmp_path: Path) -> None:
+    a, primary_a = h.make_tier(str(tmp_path), namespace="model-a")
+    b, _primary_b = h.make_tier(str(tmp_path), namespace="model-b")
+    keys = [h.key_for(i) for i in range(4)]
+    async with a, b:
+        await h.store_keys(a, primary_a, keys)
+        assert await b.contains(keys) == [False] * 4
+        assert await b.load(keys, [0, 1, 2, 3]) == [False] * 4
+        assert await b.lookup(keys) == 0
+
+
+@pytest.mark.asyncio
+async def test_files_are_owner_only(tmp_path: Path) -> None:
+    tier, primary = h.make_tier(str(tmp_path / "c"))
+    async with tier:
+        await h.store_keys(tier, primary, [h.key_for(0)])
+
+    def modes() -> list[tuple[Path, int, bool]]:
+        return [(p, stat.S_IMODE(p.stat().st_mode), p.is_dir()) for p in files(tmp_path / "c")]
+
+    found = await asyncio.to_thread(modes)
+    assert found
+    for path, mode, is_dir in found:
+        assert mode == (0o700 if is_dir else 0o600), (path, oct(mode))
+
+
+@pytest.mark.asyncio
+async def test_capacity_bounds_the_bytes_on_disk_and_evicts_oldest(tmp_path: Path) -> None:
+    from kvtier_async.tiers.fs_layout import record_bytes_for
+
+    capacity = 20 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * 162)
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    async with tier:
+        for start in range(0, 200, 8):
+            keys = [h.key_for(i) for i in range(start, start + 8)]
+            assert await h.store_keys(tier, primary, keys) == [True] * 8
+        on_disk = await asyncio.to_thread(lambda: sum(p.stat().st_size for p in files(tmp_path, "slab-*")))
+        assert on_disk <= capacity
+        present = await tier.contains([h.key_for(i) for i in range(200)])
+        assert present[-8:] == [True] * 8 and not any(present[:100])
+        assert tier.stats()["evictions"] > 0
+    # After a restart the same blocks are there, in the same LRU order.
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    async with tier:
+        assert await tier.contains([h.key_for(i) for i in range(200)]) == present
+        newest = [i for i, p in enumerate(present) if p]
+        await h.store_keys(tier, primary, [h.key_for(1000 + i) for i in range(4)])
+        after = await tier.contains([h.key_for(i) for i in newest])
+        assert after == [False] * 4 + [True] * (len(newest) - 4)  # the oldest went first
+
+
+@pytest.mark.asyncio
+async def test_fsync_mode_round_trips(tmp_path: Path) -> None:
+    tier, primary = h.make_tier(str(tmp_path), fsync=True)
+    keys = [h.key_for(i) for i in range(6)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 6
+        assert await h.load_and_check(tier, primary, keys) == [True] * 6
+
+
+@pytest.mark.asyncio
+async def test_a_namespace_is_used_by_one_process_at_a_time(tmp_path: Path) -> None:
+    first, primary = h.make_tier(str(tmp_path))
+    async with first:
+        await h.store_keys(first, primary, [h.key_for(0)])
+        second, primary2 = h.make_tier(str(tmp_path))
+        async with second:
+            assert await h.store_keys(second, primary2, [h.key_for(1)]) == [False]
+            assert second.stats()["errors"] == 1  # reported, not raised
+
+
+def test_bad_config(tmp_path: Path) -> None:
+    for kwargs, message in (
+        ({"direct_io": "yes"}, "direct_io"),
+        ({"capacity_bytes": 10}, "capacity_bytes"),
+        ({"fsync": 1}, "fsync"),
+        ({"root": ""}, "root"),
+    ):
+        with pytest.raises(kt.ConfigError, match=message):
+            h.make_tier(**{"root": str(tmp_path), **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_disk_full_fails_only_what_did_not_fit(tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    await asyncio.to_thread(mount.mkdir)
+    mounted = await asyncio.to_thread(
+        subprocess.run,
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+    )
+    if os.geteuid() != 0 or mounted.returncode:
+        pytest.skip("mounting a small tmpfs is not permitted here")
+    try:
+        # Ask for far more than the 2 MiB mount holds: the disk fills before the capacity.
+        tier, primary = h.make_tier(str(mount), capacity_bytes=64 << 20)
+        async with tier:
+            stored: list[bytes] = []
+            for start in range(0, 400, 8):
+                keys = [h.key_for(i) for i in range(start, start + 8)]
+                results = await h.store_keys(tier, primary, keys)
+                stored += [k for k, ok in zip(keys, results) if ok]
+            stats = tier.stats()
+            assert stats["out_of_space"] >= 1
+            assert not await asyncio.to_thread(files, mount, "*.tmp")
+            # It keeps serving: recent stores land, and what it holds reads back exact.
+            recent = [h.key_for(5000 + i) for i in range(4)]
+            assert await h.store_keys(tier, primary, recent) == [True] * 4
+            held = [k for k in stored if (await tier.contains([k]))[0]]
+            assert held
+            for start in range(0, len(held), 16):
+                got = await h.load_and_check(tier, primary, held[start : start + 16])
+                assert got == [True] * len(got)
+    finally:
+        await asyncio.to_thread(subprocess.run, ["umount", str(mount)], check=False)
