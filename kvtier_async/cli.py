@@ -77,11 +77,74 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="secondary tier configs: JSON text or a JSON file, e.g. "
         '\'[{"type": "memory", "capacity_bytes": 2147483648}]\' '
-        "(default: a 2 GiB memory tier)",
+        "(default: a 2 GiB file-system tier in a temporary directory)",
     )
     demo.add_argument("--seed", type=int, default=defaults.seed)
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    fs = commands.add_parser("fs", help="inspect and maintain a file-system tier root")
+    fs_commands = fs.add_subparsers(dest="fs_command", required=True)
+    stat = fs_commands.add_parser("stat", help="namespaces, blocks and bytes under ROOT")
+    stat.add_argument("root", type=Path)
+    verify = fs_commands.add_parser("verify", help="check every block's checksum; exit 1 if any is corrupt")
+    verify.add_argument("root", type=Path)
+    verify.add_argument("--remove", action="store_true", help="drop the corrupt blocks")
+    gc = fs_commands.add_parser(
+        "gc", help="bring each namespace under ROOT within a capacity, oldest blocks first"
+    )
+    gc.add_argument("root", type=Path)
+    gc.add_argument("--capacity", type=_size, required=True, help="bytes, e.g. 8G or 500M")
     return parser
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = value[-1] if value and value[-1] in units else ""
+    try:
+        number = float(value[: len(value) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(number * units[unit])
+
+
+def _fs_command(args: argparse.Namespace) -> int:
+    from .tiers import fs_admin
+
+    gib = 1 << 30
+    if args.fs_command == "stat":
+        reports = fs_admin.stat_root(args.root)
+        print(f"{'namespace':<32} {'record':>10} {'blocks':>9} {'slabs':>6} {'on disk':>12}")
+        for r in reports:
+            print(
+                f"{r.namespace:<32} {r.record_bytes:>10} {r.blocks:>9} {r.slabs:>6} "
+                f"{r.bytes_on_disk / gib:>10.3f} GiB"
+            )
+        print(
+            f"{len(reports)} namespace/record-size groups, "
+            f"{sum(r.bytes_on_disk for r in reports) / gib:.3f} GiB in all"
+        )
+        return 0
+    if args.fs_command == "verify":
+        reports = fs_admin.verify_root(args.root, remove=args.remove)
+        corrupt = sum(len(r.corrupt) for r in reports)
+        for r in reports:
+            print(
+                f"{r.namespace}: {r.checked} blocks checked, {len(r.corrupt)} corrupt"
+                + (" (removed)" if args.remove and r.corrupt else "")
+            )
+            for key in r.corrupt:
+                print(f"  corrupt: {key.hex()}")
+        return 1 if corrupt else 0
+    reports = fs_admin.gc_root(args.root, args.capacity)
+    for r in reports:
+        print(
+            f"{r.namespace}: removed {r.removed_bytes / gib:.3f} GiB, now "
+            f"{r.bytes_on_disk / gib:.3f} GiB in {r.slabs} slabs, {r.blocks} blocks"
+        )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,7 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(format_report(report, config))
         return 0 if report.mismatches == 0 else 1
-    return 2  # pragma: no cover - argparse requires a command
+    try:
+        return _fs_command(args)
+    except (KVTierError, OSError) as exc:
+        print(f"kvtier fs: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

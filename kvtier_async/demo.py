@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,9 +41,8 @@ class DemoConfig:
     block_size: int = 16
     device_blocks: int = 256
     num_cpu_blocks: int = 96
-    secondary_tiers: list[dict[str, Any]] = field(
-        default_factory=lambda: [{"type": "memory", "capacity_bytes": 2 << 30}]
-    )
+    #: None: a 2 GiB file-system tier in a fresh temporary directory, removed at the end.
+    secondary_tiers: list[dict[str, Any]] | None = None
     seed: int = 0
     progress: bool = True
 
@@ -101,6 +102,16 @@ class _DeviceBlocks:
 
 async def run_demo(config: DemoConfig) -> DemoReport:
     """Run the workload; the report counts mismatches (0 means every loaded byte was right)."""
+    if config.secondary_tiers is not None:
+        return await _run(config, config.secondary_tiers)
+    root = await asyncio.to_thread(tempfile.mkdtemp, prefix="kvtier-demo-")
+    try:
+        return await _run(config, [{"type": "fs", "root": root, "capacity_bytes": 2 << 30}])
+    finally:
+        await asyncio.to_thread(shutil.rmtree, root, True)
+
+
+async def _run(config: DemoConfig, secondary_tiers: list[dict[str, Any]]) -> DemoReport:
     max_blocks = config.system_prompt_blocks + config.turns * config.turn_blocks
     if config.device_blocks < max_blocks:
         raise ValueError(f"device_blocks must be at least {max_blocks} (one whole conversation)")
@@ -108,7 +119,7 @@ async def run_demo(config: DemoConfig) -> DemoReport:
         block_nbytes=config.block_nbytes,
         num_cpu_blocks=config.num_cpu_blocks,
         block_size=config.block_size,
-        secondary_tiers=config.secondary_tiers,
+        secondary_tiers=secondary_tiers,
         namespace=f"demo-{config.layers}x{config.kv_heads}x{config.head_dim}-bf16",
     )
     # Device memory stand-in: one uint8 tensor per layer, dim 0 = device block id.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_async.cli import main
+from kvtier_async.cli import _size, main
 
 TINY = [
     "demo",
@@ -61,3 +61,69 @@ def test_console_script_help() -> None:
     ).stdout
     for option in ("--conversations", "--concurrency", "--tiers", "--num-cpu-blocks"):
         assert option in out
+
+
+def _store_some(root: Path, count: int, namespace: str = "cli-tests") -> list[bytes]:
+    import asyncio
+
+    import fs_helpers as h
+
+    async def go() -> list[bytes]:
+        tier, primary = h.make_tier(str(root), namespace=namespace, num_cpu_blocks=16)
+        keys = [h.key_for(i) for i in range(count)]
+        async with tier:
+            for start in range(0, count, 16):
+                assert all(await h.store_keys(tier, primary, keys[start : start + 16]))
+        return keys
+
+    return asyncio.run(go())
+
+
+def test_fs_stat_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import fs_helpers as h
+
+    from kvtier_async.tiers.fs_layout import record_bytes_for
+
+    _store_some(tmp_path, 40)
+    _store_some(tmp_path, 5, namespace="other-model")
+    assert main(["fs", "stat", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "cli-tests" in out and "other-model" in out and " 40 " in out
+
+    assert main(["fs", "verify", str(tmp_path)]) == 0
+    assert "40 blocks checked, 0 corrupt" in capsys.readouterr().out
+    slabs = [
+        p
+        for p in tmp_path.glob("kvtier-*/slab-*.kvs")
+        if (p.parent / "NAMESPACE").read_text().strip() == "cli-tests"
+    ]
+    record = record_bytes_for(h.BLOCK_NBYTES)
+    with open(slabs[0], "r+b") as f:
+        f.seek(3 * record + 4096 + 7)
+        f.write(b"\xff\xfe")
+    assert main(["fs", "verify", str(tmp_path)]) == 1
+    assert "1 corrupt" in capsys.readouterr().out
+    assert main(["fs", "verify", str(tmp_path), "--remove"]) == 1
+    assert main(["fs", "verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+
+    before = sum(p.stat().st_size for p in tmp_path.rglob("slab-*"))
+    assert main(["fs", "gc", str(tmp_path), "--capacity", "1K"]) == 0
+    assert "removed" in capsys.readouterr().out
+    after = sum(p.stat().st_size for p in tmp_path.rglob("slab-*"))
+    assert after < before
+    assert main(["fs", "stat", str(tmp_path)]) == 0
+    assert "0.000 GiB in all" in capsys.readouterr().out  # 1 KiB holds no slab
+
+
+def test_fs_commands_report_a_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fs", "stat", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1024", 1024), ("8G", 8 << 30), ("500M", 500 << 20), ("1.5GiB", 3 << 29), ("4k", 4096)],
+)
+def test_sizes(text: str, value: int) -> None:
+    assert _size(text) == value

@@ -39,9 +39,8 @@ from .fs_layout import (
     DIR_MODE,
     ENTRY,
     FILE_MODE,
-    Entry,
     NamespaceDir,
-    decode_entries,
+    compact_log,
     encode_entry,
     is_out_of_space,
     make_private_dir,
@@ -297,30 +296,12 @@ class FileSystemTier(SecondaryTierManager):
             os.close(fd)
 
     def _compact_log(self, slab: int) -> None:
-        """Rewrite a slab's log with only its latest entry per record (worker thread).
-
-        Called with the slab's lock held (or before any other thread has it).
-        """
+        """Shrink a slab's log to its live entries (its lock held, or while opening)."""
         state = self._slabs[slab]
         path = slab_path(self.directory, self.record_bytes, slab, "idx")
-        latest: dict[int, Entry] = {}
-        for e in decode_entries(path.read_bytes()):
-            if e.record not in latest or e.seq > latest[e.record].seq:
-                latest[e.record] = e
-        keep = sorted((e for e in latest.values() if not e.deleted), key=lambda e: e.seq)
-        data = b"".join(encode_entry(e.seq, e.record, e.key, e.checksum) for e in keep)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
-        try:
-            os.write(fd, data)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        state.log_entries = compact_log(path, fsync=self.fsync)
         os.close(state.log_fd)
         state.log_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        state.log_entries = len(keep)
         self.counters["log_compactions"] += 1
 
     async def close_backend(self) -> None:

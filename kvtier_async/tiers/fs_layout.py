@@ -158,6 +158,29 @@ def replay(directory: Path, record_bytes: int) -> NamespaceDir:
     return found
 
 
+def compact_log(path: Path, *, fsync: bool = False) -> int:
+    """Rewrite a log with only the latest entry per record, dropping deletions; returns entries.
+
+    Writes a temporary file and renames it over the log, so a crash leaves
+    either log whole. The caller keeps other writers of this log out meanwhile.
+    """
+    latest: dict[int, Entry] = {}
+    for e in decode_entries(path.read_bytes()):
+        if e.record not in latest or e.seq > latest[e.record].seq:
+            latest[e.record] = e
+    keep = sorted((e for e in latest.values() if not e.deleted), key=lambda e: e.seq)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
+    try:
+        os.write(fd, b"".join(encode_entry(e.seq, e.record, e.key, e.checksum) for e in keep))
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return len(keep)
+
+
 def make_private_dir(path: Path) -> None:
     path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
 

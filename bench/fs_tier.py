@@ -1,0 +1,240 @@
+"""Benchmark: FileSystemTier store / cold load against raw O_DIRECT I/O of the same bytes.
+
+    python bench/fs_tier.py                      # 1 GiB, 2 MiB and 64 KiB blocks, 8 threads
+    python bench/fs_tier.py --gib 0.25 --threads 4 8 16 --aiofiles
+
+For each block size and thread count, in one run and on one disk:
+- tier: `tier.store` of every block in one call, then (page cache dropped)
+  `tier.load` of every block in random order, checksums verified by the tier;
+- raw: plain threads doing O_DIRECT `pwrite`/`pread` of the same bytes. For
+  large blocks one file per block (create, write, close; open, read, close);
+  for small blocks distinct offsets of one preallocated file, reads in random
+  order (the device's IOPS limit);
+- aiofiles (with --aiofiles): one buffered file per block through aiofiles,
+  the same concurrency, fsync-free: what many asyncio users would write.
+Ratios are tier / raw throughput. Nothing here asserts: numbers go to the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kvtier_async as kt  # noqa: E402
+from kvtier_async.tiers.fs import FileSystemTier  # noqa: E402
+
+GB = 1e9
+
+
+def drop_cache(directory: Path) -> None:
+    """Ask the kernel to forget the pages of every file under `directory`."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def fill_random(buffer: torch.Tensor) -> None:
+    buffer.view(-1)[:] = torch.randint(0, 256, (buffer.numel(),), dtype=torch.uint8)
+
+
+async def run_tier(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
+    spec = kt.OffloadingSpec(
+        block_nbytes=block_nbytes,
+        num_cpu_blocks=count,
+        namespace="bench",
+        io_threads=threads,
+        max_inflight_stores=threads,
+        max_inflight_loads=threads,
+    )
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    fill_random(primary.buffer)
+    keys = kt.block_hashes(range(count * 16), 16, namespace=f"bench-{block_nbytes}-{threads}")
+    slots = list(range(count))
+    tier = FileSystemTier(spec, primary.view, root=str(work), capacity_bytes=4 * count * spec.block_stride)
+    async with tier:
+        await tier.lookup(keys[:1])  # open outside the timed part
+        started = time.perf_counter()
+        stored = await tier.store(keys, slots)
+        store_s = time.perf_counter() - started
+        assert all(stored), "store failed"
+        await asyncio.to_thread(drop_cache, work)
+        order = list(range(count))
+        random.Random(0).shuffle(order)
+        expected = primary.buffer.clone()
+        primary.buffer.zero_()
+        started = time.perf_counter()
+        loaded = await tier.load([keys[i] for i in order], [slots[i] for i in order])
+        load_s = time.perf_counter() - started
+        assert all(loaded), "load missed"
+        assert torch.equal(primary.buffer, expected), "wrong bytes"
+        direct = tier.direct_io
+    nbytes = count * block_nbytes
+    return {
+        "store_gbps": nbytes / store_s / GB,
+        "load_gbps": nbytes / load_s / GB,
+        "store_s": store_s,
+        "load_s": load_s,
+        "direct_io": direct,
+    }
+
+
+def run_raw(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
+    stride = -(-block_nbytes // 4096) * 4096
+    buffers = [memoryview(mmap.mmap(-1, stride)) for _ in range(threads)]
+    for b in buffers:
+        b[:] = os.urandom(stride)
+    one_file_per_block = block_nbytes >= (1 << 20)
+    work.mkdir(parents=True, exist_ok=True)
+    big = work / "raw.bin"
+    if not one_file_per_block:
+        fd = os.open(big, os.O_CREAT | os.O_RDWR, 0o600)
+        os.posix_fallocate(fd, 0, count * stride)
+        os.close(fd)
+    shared_fd = None if one_file_per_block else os.open(big, os.O_RDWR | os.O_DIRECT)
+
+    def write(worker: int) -> None:
+        buf = buffers[worker]
+        for i in range(worker, count, threads):
+            if one_file_per_block:
+                fd = os.open(work / f"b{i}", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+                os.pwrite(fd, buf, 0)
+                os.close(fd)
+            else:
+                os.pwrite(shared_fd, buf, i * stride)
+
+    order = list(range(count))
+    random.Random(0).shuffle(order)
+
+    def read(worker: int) -> None:
+        buf = buffers[worker]
+        for i in order[worker::threads]:
+            if one_file_per_block:
+                fd = os.open(work / f"b{i}", os.O_RDONLY | os.O_DIRECT)
+                os.preadv(fd, [buf], 0)
+                os.close(fd)
+            else:
+                os.preadv(shared_fd, [buf], i * stride)
+
+    with ThreadPoolExecutor(threads) as pool:
+        started = time.perf_counter()
+        list(pool.map(write, range(threads)))
+        store_s = time.perf_counter() - started
+        drop_cache(work)
+        started = time.perf_counter()
+        list(pool.map(read, range(threads)))
+        load_s = time.perf_counter() - started
+    if shared_fd is not None:
+        os.close(shared_fd)
+    nbytes = count * block_nbytes
+    return {
+        "store_gbps": nbytes / store_s / GB,
+        "load_gbps": nbytes / load_s / GB,
+        "store_s": store_s,
+        "load_s": load_s,
+    }
+
+
+async def run_aiofiles(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
+    import aiofiles
+
+    work.mkdir(parents=True, exist_ok=True)
+    payload = os.urandom(block_nbytes)
+    limit = asyncio.Semaphore(threads)
+
+    async def write(i: int) -> None:
+        async with limit, aiofiles.open(work / f"a{i}", "wb") as f:
+            await f.write(payload)
+
+    async def read(i: int) -> None:
+        async with limit, aiofiles.open(work / f"a{i}", "rb") as f:
+            await f.read()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(write(i) for i in range(count)))
+    store_s = time.perf_counter() - started
+    await asyncio.to_thread(drop_cache, work)
+    started = time.perf_counter()
+    await asyncio.gather(*(read(i) for i in range(count)))
+    load_s = time.perf_counter() - started
+    nbytes = count * block_nbytes
+    return {"store_gbps": nbytes / store_s / GB, "load_gbps": nbytes / load_s / GB}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="bytes moved per case, in GiB")
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 64])
+    parser.add_argument("--threads", type=int, nargs="+", default=[8])
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--aiofiles", action="store_true", help="also measure aiofiles")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir))
+    rows = []
+    try:
+        for kib in args.block_kib:
+            block = kib * 1024
+            count = max(1, int(args.gib * (1 << 30)) // block)
+            for threads in args.threads:
+                case = base / f"{kib}k-{threads}"
+                tier = await run_tier(case / "tier", block, count, threads)
+                raw = await asyncio.to_thread(run_raw, case / "raw", block, count, threads)
+                row = {
+                    "block_kib": kib,
+                    "blocks": count,
+                    "threads": threads,
+                    "tier": tier,
+                    "raw": raw,
+                    "store_ratio": tier["store_gbps"] / raw["store_gbps"],
+                    "load_ratio": tier["load_gbps"] / raw["load_gbps"],
+                }
+                if args.aiofiles:
+                    row["aiofiles"] = await run_aiofiles(case / "aio", block, count, threads)
+                rows.append(row)
+                shutil.rmtree(case, ignore_errors=True)
+                extra = ""
+                if "aiofiles" in row:
+                    extra = (
+                        f" | aiofiles store {row['aiofiles']['store_gbps']:.2f} "
+                        f"load {row['aiofiles']['load_gbps']:.2f}"
+                    )
+                print(
+                    f"{kib:>5} KiB x {count:>6}  threads {threads:>2}  "
+                    f"store tier {tier['store_gbps']:.2f} GB/s raw {raw['store_gbps']:.2f} "
+                    f"({row['store_ratio']:.2f}x)  load tier {tier['load_gbps']:.2f} "
+                    f"raw {raw['load_gbps']:.2f} ({row['load_ratio']:.2f}x)"
+                    f"  O_DIRECT={tier['direct_io']}{extra}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
