@@ -24,6 +24,7 @@ import mmap
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -34,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvtier_async as kt  # noqa: E402
-from kvtier_async.tiers.fs import FileSystemTier  # noqa: E402
+import kvtier_async as kt
+from kvtier_async.tiers.fs import FileSystemTier
 
 GB = 1e9
 
@@ -50,6 +51,10 @@ def drop_cache(directory: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def fill_random(buffer: torch.Tensor) -> None:
@@ -93,7 +98,7 @@ async def run_tier(work: Path, block_nbytes: int, count: int, threads: int) -> d
         "load_gbps": nbytes / load_s / GB,
         "store_s": store_s,
         "load_s": load_s,
-        "direct_io": direct,
+        "direct_io": float(direct),
     }
 
 
@@ -156,7 +161,7 @@ def run_raw(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str
 async def run_aiofiles(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
     import aiofiles
 
-    work.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
     payload = os.urandom(block_nbytes)
     limit = asyncio.Semaphore(threads)
 
@@ -186,6 +191,7 @@ async def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[8])
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--aiofiles", action="store_true", help="also measure aiofiles")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per case; medians are shown")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir))
@@ -196,21 +202,29 @@ async def main() -> None:
             count = max(1, int(args.gib * (1 << 30)) // block)
             for threads in args.threads:
                 case = base / f"{kib}k-{threads}"
-                tier = await run_tier(case / "tier", block, count, threads)
-                raw = await asyncio.to_thread(run_raw, case / "raw", block, count, threads)
+                tiers, raws, aios = [], [], []
+                for attempt in range(args.repeat):  # interleaved, so drifts hit both alike
+                    tiers.append(await run_tier(case / f"tier{attempt}", block, count, threads))
+                    raws.append(
+                        await asyncio.to_thread(run_raw, case / f"raw{attempt}", block, count, threads)
+                    )
+                    if args.aiofiles:
+                        aios.append(await run_aiofiles(case / f"aio{attempt}", block, count, threads))
+                    await asyncio.to_thread(shutil.rmtree, case, True)
+                tier, raw = median_of(tiers), median_of(raws)
                 row = {
                     "block_kib": kib,
                     "blocks": count,
                     "threads": threads,
+                    "repeats": args.repeat,
                     "tier": tier,
                     "raw": raw,
                     "store_ratio": tier["store_gbps"] / raw["store_gbps"],
                     "load_ratio": tier["load_gbps"] / raw["load_gbps"],
                 }
-                if args.aiofiles:
-                    row["aiofiles"] = await run_aiofiles(case / "aio", block, count, threads)
+                if aios:
+                    row["aiofiles"] = median_of(aios)
                 rows.append(row)
-                shutil.rmtree(case, ignore_errors=True)
                 extra = ""
                 if "aiofiles" in row:
                     extra = (
@@ -221,8 +235,7 @@ async def main() -> None:
                     f"{kib:>5} KiB x {count:>6}  threads {threads:>2}  "
                     f"store tier {tier['store_gbps']:.2f} GB/s raw {raw['store_gbps']:.2f} "
                     f"({row['store_ratio']:.2f}x)  load tier {tier['load_gbps']:.2f} "
-                    f"raw {raw['load_gbps']:.2f} ({row['load_ratio']:.2f}x)"
-                    f"  O_DIRECT={tier['direct_io']}{extra}",
+                    f"raw {raw['load_gbps']:.2f} ({row['load_ratio']:.2f}x){extra}",
                     flush=True,
                 )
     finally:

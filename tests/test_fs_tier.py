@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -300,3 +301,48 @@ async def test_disk_full_fails_only_what_did_not_fit(tmp_path: Path) -> None:
                 assert got == [True] * len(got)
     finally:
         await asyncio.to_thread(subprocess.run, ["umount", str(mount)], check=False)
+
+
+@pytest.mark.asyncio
+async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Path) -> None:
+    capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    started, release = threading.Event(), threading.Event()
+    original = tier._read_records
+
+    def gated_read(*args: Any) -> list[str]:
+        started.set()
+        release.wait(timeout=60)
+        return original(*args)
+
+    async with tier:
+        victim = h.key_for(0)
+        await h.store_keys(tier, primary, [victim])
+        tier._read_records = gated_read  # type: ignore[method-assign]
+        reading = asyncio.ensure_future(tier.load([victim], [20]))
+        await asyncio.to_thread(started.wait, 60)
+        tier._read_records = original  # type: ignore[method-assign]
+        # Fill the tier several times over: every other block gets evicted meanwhile.
+        for start in range(1, 40, 4):
+            await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])
+        assert tier.stats()["evictions"] > 8
+        release.set()
+        assert await reading == [True]
+        assert bytes(primary.slot_view(20)) == h.payload_for(victim)
+
+
+@pytest.mark.asyncio
+async def test_auto_falls_back_to_buffered_io_where_o_direct_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvtier_async.tiers.fs, "_probe_direct_io", lambda directory: False)
+    tier, primary = h.make_tier(str(tmp_path / "auto"), direct_io="auto")
+    keys = [h.key_for(i) for i in range(4)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 4
+        assert tier.direct_io is False
+        assert await h.load_and_check(tier, primary, keys) == [True] * 4
+    strict, primary = h.make_tier(str(tmp_path / "strict"), direct_io=True)
+    async with strict:  # O_DIRECT demanded but refused: a counted fault, not an exception
+        assert await h.store_keys(strict, primary, keys) == [False] * 4
+        assert strict.stats()["errors"] == 1

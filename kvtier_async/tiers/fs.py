@@ -302,7 +302,6 @@ class FileSystemTier(SecondaryTierManager):
         state.log_entries = compact_log(path, fsync=self.fsync)
         os.close(state.log_fd)
         state.log_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self.counters["log_compactions"] += 1
 
     async def close_backend(self) -> None:
         await self.run_blocking(self._close_files)
@@ -651,8 +650,10 @@ class FileSystemTier(SecondaryTierManager):
         return {
             "root": str(self.root),
             "blocks": len(self._where),
+            # list(): worker threads may add a slab meanwhile; copying is atomic under the GIL.
             "used_bytes": sum(
-                s.records * self.record_bytes + s.log_entries * ENTRY for s in self._slabs.values()
+                s.records * self.record_bytes + s.log_entries * ENTRY
+                for s in list(self._slabs.values())
             ),
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
