@@ -57,14 +57,16 @@ log = logging.getLogger(__name__)
 #: Default `capacity_bytes`: 64 GiB, but never more than 80% of what the file
 #: system can give us (free space plus what this namespace already holds).
 DEFAULT_CAPACITY_BYTES = 64 << 30
-SLAB_TARGET_BYTES = 256 << 20
+SLAB_TARGET_BYTES = 256 << 20  # records per slab file, at most
+GROW_STEP_BYTES = 16 << 20  # a slab's file is preallocated this much at a time
 _IOV_MAX = 1024
 Record = tuple[int, int]  # (slab, record index)
 
 
 @dataclass(slots=True)
 class _Slab:
-    records: int
+    records: int  # how many records it may hold
+    allocated: int  # bytes of its data file reserved so far
     data_fd: int
     log_fd: int
     log_entries: int
@@ -226,7 +228,7 @@ class FileSystemTier(SecondaryTierManager):
                 slab_path(self.directory, self.record_bytes, slab, "kvs").unlink(missing_ok=True)
                 slab_path(self.directory, self.record_bytes, slab, "idx").unlink(missing_ok=True)
                 continue
-            self._slabs[slab] = self._open_slab(slab, records, found.log_entries.get(slab, 0))
+            self._slabs[slab] = self._open_slab(slab, self._slab_records, found.log_entries.get(slab, 0))
         for slab, state in self._slabs.items():
             if state.log_entries > 2 * state.records:
                 self._compact_log(slab)
@@ -236,57 +238,47 @@ class FileSystemTier(SecondaryTierManager):
         return os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
 
     def _open_slab(self, slab: int, records: int, log_entries: int) -> _Slab:
-        data_fd = os.open(slab_path(self.directory, self.record_bytes, slab, "kvs"), self._data_flags())
+        data_path = slab_path(self.directory, self.record_bytes, slab, "kvs")
+        data_fd = os.open(data_path, self._data_flags())
+        allocated = os.fstat(data_fd).st_size
         log_fd = os.open(
             slab_path(self.directory, self.record_bytes, slab, "idx"),
             os.O_CREAT | os.O_WRONLY | os.O_APPEND,
             FILE_MODE,
         )
-        return _Slab(records, data_fd, log_fd, log_entries, threading.Lock())
+        return _Slab(records, allocated, data_fd, log_fd, log_entries, threading.Lock())
 
     def _create_slab(self, slab: int) -> _Slab:
-        """Make and preallocate a slab's data file (worker thread).
-
-        When the disk cannot hold a whole slab, a smaller one is made, down to
-        one record; only when not even that fits does it raise ENOSPC.
-        """
+        """Make an empty slab data file (worker thread); `_grow` gives it room as records fill."""
         path = slab_path(self.directory, self.record_bytes, slab, "kvs")
-        tmp = path.with_name(path.name + ".tmp")
-        records = self._slab_records
-        while True:
-            fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_TRUNC, FILE_MODE)
-            try:
-                self._preallocate(fd, records * self.record_bytes)
-                break
-            except OSError as exc:
-                os.close(fd)
-                tmp.unlink(missing_ok=True)
-                if not is_out_of_space(exc) or records == 1:
-                    raise
-                records //= 2
-            except BaseException:
-                os.close(fd)
-                tmp.unlink(missing_ok=True)
-                raise
-        if records < self._slab_records and records > 1:
-            # The disk is nearly full: leave an eighth of this slab's room for its log.
-            records -= max(1, records // 8)
-            os.ftruncate(fd, records * self.record_bytes)
-        os.close(fd)
-        os.replace(tmp, path)
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, FILE_MODE))
         if self.fsync:
             self._fsync_directory()
-        return self._open_slab(slab, records, 0)
+        return self._open_slab(slab, self._slab_records, 0)
 
-    def _preallocate(self, fd: int, nbytes: int) -> None:
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(fd, nbytes)  # no fallocate on this file system: a sparse file
-        if self.fsync:
-            os.fsync(fd)
+    def _grow(self, state: _Slab, end: int) -> None:
+        """Preallocate a slab's file up to at least `end` bytes, in steps (worker thread).
+
+        Space is reserved ahead of the writes that need it, so a full disk shows
+        up here as ENOSPC, before any record is half written.
+        """
+        with state.lock:
+            if end <= state.allocated:
+                return
+            limit = state.records * self.record_bytes
+            step = max(self.record_bytes, GROW_STEP_BYTES // self.record_bytes * self.record_bytes)
+            for target in (min(limit, max(end, state.allocated + step)), end):
+                try:
+                    os.posix_fallocate(state.data_fd, state.allocated, target - state.allocated)
+                except OSError as exc:
+                    if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                        os.ftruncate(state.data_fd, target)  # no fallocate here: a sparse file
+                    elif is_out_of_space(exc) and target > end:
+                        continue  # not room for a whole step: try just what is needed
+                    else:
+                        raise
+                state.allocated = target
+                return
 
     def _fsync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
@@ -404,6 +396,8 @@ class FileSystemTier(SecondaryTierManager):
         """The disk is full: stop growing, and free the oldest blocks to make room."""
         self.counters["out_of_space"] += 1
         self._max_slabs = max(1, len(self._slabs))
+        for state in list(self._slabs.values()):  # no slab grows any more
+            state.records = max(1, state.allocated // self.record_bytes)
         self._free = [w for w in self._free if w[0] in self._slabs and w[1] < self._slabs[w[0]].records]
         self._reserved_slabs = set()
         for _ in range(min(len(self._lru), max(1, self._slab_records // 4))):
@@ -434,13 +428,7 @@ class FileSystemTier(SecondaryTierManager):
             slab = run[0][1][0]
             try:
                 state = self._ensure_slab(slab)
-                if run[-1][1][1] >= state.records:  # the slab came out smaller: disk full
-                    fits = [(n, w) for n, w in run if w[1] < state.records]
-                    for n, _ in run[len(fits) :]:
-                        status[n] = "nospace"
-                    run = fits
-                    if not run:
-                        continue
+                self._grow(state, (run[-1][1][1] + 1) * self.record_bytes)
                 iov: list[memoryview] = []
                 for n, _ in run:
                     iov += [headers[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], spans[n]]
@@ -651,10 +639,7 @@ class FileSystemTier(SecondaryTierManager):
             "root": str(self.root),
             "blocks": len(self._where),
             # list(): worker threads may add a slab meanwhile; copying is atomic under the GIL.
-            "used_bytes": sum(
-                s.records * self.record_bytes + s.log_entries * ENTRY
-                for s in list(self._slabs.values())
-            ),
+            "used_bytes": sum(s.allocated + s.log_entries * ENTRY for s in list(self._slabs.values())),
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
             "fsync": self.fsync,
