@@ -346,3 +346,22 @@ async def test_auto_falls_back_to_buffered_io_where_o_direct_is_refused(
     async with strict:  # O_DIRECT demanded but refused: a counted fault, not an exception
         assert await h.store_keys(strict, primary, keys) == [False] * 4
         assert strict.stats()["errors"] == 1
+
+
+@pytest.mark.asyncio
+async def test_cancelled_stores_leak_no_room(tmp_path: Path) -> None:
+    capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    async with tier:
+        for attempt in range(12):
+            keys = [h.key_for(100 * attempt + i) for i in range(4)]
+            task = asyncio.ensure_future(h.store_keys(tier, primary, keys))
+            for _ in range(attempt % 4):
+                await asyncio.sleep(0)  # scheduling points, not time
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        # Every one of the 8 records is usable again: 8 fresh blocks all fit at once.
+        fresh = [h.key_for(5000 + i) for i in range(8)]
+        assert await h.store_keys(tier, primary, fresh) == [True] * 8
+        assert await tier.contains(fresh) == [True] * 8
+        assert await h.load_and_check(tier, primary, fresh) == [True] * 8

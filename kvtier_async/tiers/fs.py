@@ -375,9 +375,15 @@ class FileSystemTier(SecondaryTierManager):
             return results
         spans = [self._span(blocks[i]) for i, _, _ in jobs]
         payloads = [blocks[i] for i, _, _ in jobs]
-        outcome = await self.run_blocking(
-            self._write_records, [(key, where) for _, key, where in jobs], payloads, spans
-        )
+        try:
+            outcome = await self.run_blocking(
+                self._write_records, [(key, where) for _, key, where in jobs], payloads, spans
+            )
+        except BaseException:
+            # Cancelled (the thread has finished): these records are not published. Reusing
+            # them is safe: a newer log entry for a record always wins over an older one.
+            self._free.extend(where for _, _, where in jobs)
+            raise
         out_of_space = False
         for (i, key, where), status in zip(jobs, outcome):
             if status == "ok":
@@ -393,18 +399,14 @@ class FileSystemTier(SecondaryTierManager):
         return results
 
     def _shrink_after_enospc(self) -> None:
-        """The disk is full: stop growing, and free the oldest blocks to make room."""
+        """The disk is full: stop growing. From now on new blocks evict the least recently
+        used ones from the room already reserved, as at capacity."""
         self.counters["out_of_space"] += 1
         self._max_slabs = max(1, len(self._slabs))
-        for state in list(self._slabs.values()):  # no slab grows any more
+        for state in list(self._slabs.values()):
             state.records = max(1, state.allocated // self.record_bytes)
         self._free = [w for w in self._free if w[0] in self._slabs and w[1] < self._slabs[w[0]].records]
         self._reserved_slabs = set()
-        for _ in range(min(len(self._lru), max(1, self._slab_records // 4))):
-            where, _ = self._lru.popitem(last=False)
-            del self._where[self._key_at.pop(where)]
-            self._free.append(where)
-            self.counters["evictions"] += 1
 
     def _write_records(
         self, jobs: list[tuple[bytes, Record]], payloads: list[memoryview], spans: list[memoryview]
@@ -518,11 +520,8 @@ class FileSystemTier(SecondaryTierManager):
     def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
         total = sum(len(v) for v in iov)
         done = os.pwritev(fd, iov, offset)
-        if done != total:  # short write: finish it (rare; ENOSPC shows up as an error next)
-            rest = b"".join(bytes(v) for v in iov)[done:]
-            while rest:
-                n = os.pwrite(fd, rest, offset + done)
-                done, rest = done + n, rest[n:]
+        if done != total:  # the space was reserved, so this is not a full disk: fail the run
+            raise OSError(errno.EIO, f"short write: {done} of {total} bytes")
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
