@@ -53,6 +53,15 @@ def drop_cache(directory: Path) -> None:
                 os.close(fd)
 
 
+def rates(nbytes: int, store_s: float, load_s: float) -> dict[str, float]:
+    return {
+        "store_gbps": nbytes / store_s / GB,
+        "load_gbps": nbytes / load_s / GB,
+        "store_s": store_s,
+        "load_s": load_s,
+    }
+
+
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
@@ -92,14 +101,7 @@ async def run_tier(work: Path, block_nbytes: int, count: int, threads: int) -> d
         assert all(loaded), "load missed"
         assert torch.equal(primary.buffer, expected), "wrong bytes"
         direct = tier.direct_io
-    nbytes = count * block_nbytes
-    return {
-        "store_gbps": nbytes / store_s / GB,
-        "load_gbps": nbytes / load_s / GB,
-        "store_s": store_s,
-        "load_s": load_s,
-        "direct_io": float(direct),
-    }
+    return {**rates(count * block_nbytes, store_s, load_s), "direct_io": float(direct)}
 
 
 def run_raw(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
@@ -149,13 +151,7 @@ def run_raw(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str
         load_s = time.perf_counter() - started
     if shared_fd is not None:
         os.close(shared_fd)
-    nbytes = count * block_nbytes
-    return {
-        "store_gbps": nbytes / store_s / GB,
-        "load_gbps": nbytes / load_s / GB,
-        "store_s": store_s,
-        "load_s": load_s,
-    }
+    return rates(count * block_nbytes, store_s, load_s)
 
 
 async def run_aiofiles(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
@@ -180,8 +176,7 @@ async def run_aiofiles(work: Path, block_nbytes: int, count: int, threads: int) 
     started = time.perf_counter()
     await asyncio.gather(*(read(i) for i in range(count)))
     load_s = time.perf_counter() - started
-    nbytes = count * block_nbytes
-    return {"store_gbps": nbytes / store_s / GB, "load_gbps": nbytes / load_s / GB}
+    return rates(count * block_nbytes, store_s, load_s)
 
 
 async def main() -> None:
