@@ -193,10 +193,12 @@ async def test_load_deadline_returns_the_prefix_done_in_time() -> None:
     async with kt.TieredKVCache(spec, layers) as cache:
         gated = cache.tiers[0]
         assert isinstance(gated, probe_tier.GatedTier)
-        await cache.store(keys, list(range(12)))
+        assert await cache.store(keys, list(range(12))) == 12
+        await cache.flush()  # unpins them: a store does not wait on other calls' writes
         # 16 other blocks push all of those out of the primary tier; then 0..3 come back.
-        await cache.store(keys_for(16, conversation=5), list(range(40, 56)))
-        await cache.store(keys[:4], list(range(4)))
+        assert await cache.store(keys_for(16, conversation=5), list(range(40, 56))) == 16
+        await cache.flush()
+        assert await cache.store(keys[:4], list(range(4))) == 4
         await cache.flush()
         assert [cache.primary.lookup(k) is not None for k in keys] == [True] * 4 + [False] * 8
         gated.gated.add(keys[8])  # the third chunk's read never finishes until the gate opens
@@ -310,7 +312,7 @@ async def test_concurrent_requests_with_random_cancellations_stay_exact() -> Non
         for c, keys in conversations.items():
             ids = list(range(c * 8, c * 8 + 8))
             assert await cache.store(keys, ids) == 8
-        await cache.flush()
+            await cache.flush()  # a store does not wait on other calls' writes
 
         async def request(c: int) -> tuple[int, int]:
             n = rng.randint(1, 8)

@@ -171,19 +171,27 @@ class FileSystemTier(SecondaryTierManager):
 
     # -- opening and closing -------------------------------------------------------------------
     async def open_backend(self) -> None:
-        found = await self.run_blocking(self._open_files)
-        for where, (key, _seq, _checksum) in found.live.items():
-            self._where[key] = where
-            self._key_at[where] = key
-            self._lru[where] = None
+        found, free = await self.run_blocking(self._open_files)
+        # Plain dict and list building only: the per-record work happened on the thread.
+        self._key_at = {where: key for where, (key, _, _) in found.live.items()}
+        self._where = {key: where for where, key in self._key_at.items()}
+        self._lru = OrderedDict.fromkeys(self._key_at)
+        self._free = free
         self._seq = found.max_seq
-        for slab in sorted(self._slabs, reverse=True):
-            for record in range(self._slabs[slab].records - 1, -1, -1):
-                if (slab, record) not in self._key_at:
-                    self._free.append((slab, record))
         self.counters["removed_temporaries"] += found.removed_temporaries
 
-    def _open_files(self) -> NamespaceDir:
+    def _open_files(self) -> tuple[NamespaceDir, list[Record]]:
+        """Worker thread: lock, probe, replay the logs, open the slabs; (index, free records)."""
+        found = self._open_and_replay()
+        free = [
+            (slab, record)
+            for slab in sorted(self._slabs, reverse=True)
+            for record in range(self._slabs[slab].records - 1, -1, -1)
+            if (slab, record) not in found.live
+        ]
+        return found, free
+
+    def _open_and_replay(self) -> NamespaceDir:
         make_private_dir(self.root)
         make_private_dir(self.directory)
         os.chmod(self.directory, DIR_MODE)
