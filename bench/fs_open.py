@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import drop_cache, run
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
-
-
-def drop_cache(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 async def main() -> None:
@@ -70,4 +58,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run(main)

@@ -24,33 +24,16 @@ import mmap
 import os
 import random
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import GB, drop_cache, median_of, run
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
-
-GB = 1e9
-
-
-def drop_cache(directory: Path) -> None:
-    """Ask the kernel to forget the pages of every file under `directory`."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def rates(nbytes: int, store_s: float, load_s: float) -> dict[str, float]:
@@ -60,10 +43,6 @@ def rates(nbytes: int, store_s: float, load_s: float) -> dict[str, float]:
         "store_s": store_s,
         "load_s": load_s,
     }
-
-
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def fill_random(buffer: torch.Tensor) -> None:
@@ -240,9 +219,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
+    run(main)

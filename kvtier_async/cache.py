@@ -17,7 +17,7 @@ import enum
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
@@ -50,6 +50,23 @@ class _Then(enum.Enum):
     GO_ON = "go on with the next chunk"
     WAIT = "wait for a primary slot to be released, then try again"
     STOP = "stop: the next key is not available"
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A chunk gathered in the primary tier for a load: what it pins and how far it is valid."""
+
+    slots: list[int | None] = field(default_factory=list)  # per key: pinned slot, or None
+    filling: set[int] = field(default_factory=set)  # allocated here and not published
+    cut: int = 0  # leading blocks now valid
+    then: _Then = _Then.GO_ON
+
+
+@dataclass(slots=True)
+class _InFlight:
+    staged: _Staged
+    copy: asyncio.Future[None] | None  # its host -> device copy, if any
+    done_up_to: int  # progress once the copy is done
 
 
 class TieredKVCache(AsyncResource):
@@ -274,39 +291,79 @@ class TieredKVCache(AsyncResource):
     async def _load(
         self, keys: list[bytes], ids: list[int] | None, progress: list[int], priority: Priority
     ) -> None:
-        """Move blocks chunk by chunk until the first one that is not available anywhere."""
-        pos = 0
-        while pos < len(keys):
-            end = min(len(keys), pos + self.limits.chunk_blocks)
-            valid, then = await self._load_chunk(keys, ids, pos, end, priority)
-            pos += valid
-            progress[0] = pos
-            if then is _Then.STOP:
-                return
-            if then is _Then.WAIT:
-                # Nothing could move without a slot someone else holds. No await since
-                # that decision, so no release since then is missed.
-                self._released.clear()
-                await self._released.wait()
+        """Move blocks chunk by chunk until the first one that is not available anywhere.
 
-    async def _load_chunk(
-        self, keys: list[bytes], ids: list[int] | None, pos: int, end: int, priority: Priority
-    ) -> tuple[int, _Then]:
-        """Load keys[pos:end]; returns how many leading blocks are now valid, and what next."""
+        Two stages overlap: while chunk k travels host -> device, chunk k+1 is
+        already gathered in the primary tier (hits pinned, misses read from the
+        secondary tiers). `progress[0]` counts the blocks whose device copy is done.
+        """
+        pos = 0
+        inflight: _InFlight | None = None
+        try:
+            while pos < len(keys):
+                end = min(len(keys), pos + self.limits.chunk_blocks)
+                staged = await self._stage_chunk(keys, pos, end, priority)
+                copy = None
+                if ids is not None and staged.cut:
+                    prefix = [slot for slot in staged.slots[: staged.cut] if slot is not None]
+                    copy = asyncio.ensure_future(
+                        self.copy_engine.to_device(prefix, ids[pos : pos + staged.cut])
+                    )
+                previous, inflight = inflight, _InFlight(staged, copy, pos + staged.cut)
+                if previous is not None:
+                    await self._finish(previous, progress)
+                pos += staged.cut
+                if staged.then is _Then.STOP:
+                    break
+                if staged.then is _Then.WAIT:
+                    # Nothing could move without a slot someone else holds. Give ours back
+                    # first; no await since that decision, so no release since is missed.
+                    done, inflight = inflight, None
+                    await self._finish(done, progress)
+                    self._released.clear()
+                    await self._released.wait()
+        finally:
+            if inflight is not None:
+                await self._finish(inflight, progress)
+
+    async def _finish(self, inflight: _InFlight, progress: list[int]) -> None:
+        """Wait for a chunk's device copy (to its end, even if cancelled), then release it."""
+        try:
+            if inflight.copy is not None:
+                await wait_uncancellable(inflight.copy)
+                self.counters["bytes_to_device"] += inflight.staged.cut * self.spec.block_nbytes
+            progress[0] = inflight.done_up_to
+        finally:
+            self._release(inflight.staged)
+
+    def _release(self, staged: _Staged) -> None:
+        for slot in staged.slots:
+            if slot is None:
+                continue
+            if slot in staged.filling:
+                self.primary.abort(slot)
+            else:
+                self.primary.unpin(slot)
+
+    async def _stage_chunk(self, keys: list[bytes], pos: int, end: int, priority: Priority) -> _Staged:
+        """Gather keys[pos:end] in the primary tier, pinned; the caller releases the result.
+
+        Primary hits are pinned; misses are promoted from the first secondary
+        tier holding them. `cut` is how many leading blocks are now valid.
+        """
         primary = self.primary
-        slots: list[int | None] = []  # per key from pos: its pinned slot, None until it has one
-        filling: set[int] = set()  # slots allocated here and not published
+        staged = _Staged()
         try:
             # 1. primary hits (pinned), stopping at a key another call is filling right now
             for i in range(pos, end):
                 if primary.is_filling(keys[i]):
                     break
-                slots.append(primary.acquire(keys[i]))
-            if not slots:
-                return 0, _Then.WAIT  # its filler will publish or abort it
-            cut = len(slots)  # the prefix that can be valid
-            then = _Then.GO_ON  # a short chunk goes on: the next one starts at the cut
-            misses = [j for j, slot in enumerate(slots) if slot is None]
+                staged.slots.append(primary.acquire(keys[i]))
+            if not staged.slots:
+                staged.then = _Then.WAIT  # its filler will publish or abort it
+                return staged
+            cut = len(staged.slots)  # the prefix that can be valid
+            misses = [j for j, slot in enumerate(staged.slots) if slot is None]
             promoted = 0  # blocks of the valid prefix that came from a secondary tier
             if misses:
                 # 2. where each miss is; slots for those before the first that is nowhere
@@ -314,44 +371,37 @@ class TieredKVCache(AsyncResource):
                 by_tier: dict[int, list[int]] = {}
                 for j, source in zip(misses, sources):
                     if source is None:
-                        cut, then = j, _Then.STOP
+                        cut, staged.then = j, _Then.STOP
                         break
                     slot = primary.allocate(keys[pos + j])
                     if slot is None:
                         cut = j  # every slot is pinned: go on (or wait) from here
                         break
-                    slots[j] = slot
-                    filling.add(slot)
+                    staged.slots[j] = slot
+                    staged.filling.add(slot)
                     by_tier.setdefault(source, []).append(j)
                 if cut == 0:
-                    return 0, (_Then.WAIT if then is _Then.GO_ON else then)
+                    if staged.then is _Then.GO_ON:
+                        staged.then = _Then.WAIT
+                    return staged
                 # 3. promote from the tiers, concurrently per tier
-                ok = await self._promote(keys, pos, slots, by_tier, priority)
+                ok = await self._promote(keys, pos, staged.slots, by_tier, priority)
                 for j in sorted(ok):
-                    slot = slots[j]
+                    slot = staged.slots[j]
                     assert slot is not None
                     if ok[j]:
                         primary.publish(slot)
-                        filling.discard(slot)  # promoted, kept even past the cut
+                        staged.filling.discard(slot)  # promoted, kept even past the cut
                     elif j < cut:
-                        cut, then = j, _Then.STOP  # present, but the read failed or was wrong
+                        cut, staged.then = j, _Then.STOP  # present, but the read failed
                 promoted = sum(1 for j in ok if ok[j] and j < cut)
+            staged.cut = cut
             self.counters["primary_hit_blocks"] += cut - promoted
             self.counters["promoted_blocks"] += promoted
-            # 4. the valid prefix to the device
-            if ids is not None and cut:
-                prefix = [slot for slot in slots[:cut] if slot is not None]
-                await self.copy_engine.to_device(prefix, ids[pos : pos + cut])
-                self.counters["bytes_to_device"] += cut * self.spec.block_nbytes
-            return cut, then
-        finally:
-            for slot in slots:
-                if slot is None:
-                    continue
-                if slot in filling:
-                    primary.abort(slot)
-                else:
-                    primary.unpin(slot)
+            return staged
+        except BaseException:
+            self._release(staged)
+            raise
 
     async def _promote(
         self,

@@ -3,8 +3,19 @@
 The device KV is a list of tensors whose dim 0 is the device block id (one per
 layer, or one for everything); the bytes of block `b` across them, in order,
 make one `block_nbytes` primary slot. This is the one seam between device
-memory and the host: on machines without CUDA the copies run as torch ops on
-worker threads (they release the GIL), so the event loop never copies bytes.
+memory and the host.
+
+CUDA (device tensors and a pinned primary tier): each direction has its own
+stream. Device -> host first waits for the stream that produced the KV (the
+caller's current stream), gathers the scattered blocks into a contiguous device
+staging buffer, and moves each run of neighbouring slots with one DMA. Host ->
+device is the mirror image, and the caller's current stream is made to wait
+for it. Completion is an event polled from the event loop with a short
+backoff: no thread and no `synchronize()` on the loop. A cancelled copy still
+waits for its DMA to finish, since it reads or writes buffers the caller owns.
+
+Elsewhere (CPU tensors standing in for device memory, or an unpinned primary
+tier) the copies run as torch ops on worker threads, which release the GIL.
 """
 
 from __future__ import annotations
@@ -91,23 +102,79 @@ class CopyEngine:
             offset += width
         self._threads = threads
         self._executor: ThreadPoolExecutor | None = None
+        #: Streams and events, when the device is a GPU and the host buffer is pinned.
+        self.uses_streams = self.device.type == "cuda" and primary.pinned
+        self._streams: dict[str, Any] = {}
 
     async def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy device blocks into primary slots; the device blocks may be reused on return."""
-        await self._run(self._copy_to_host, list(device_ids), list(slots))
+        if not device_ids:
+            return
+        if self.uses_streams:
+            await _await_event(*self._enqueue_to_host(list(device_ids), list(slots)))
+        else:
+            await self._run(self._copy_to_host, list(device_ids), list(slots))
 
     async def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> None:
-        """Copy primary slots into device blocks; they are valid on return."""
-        await self._run(self._copy_to_device, list(slots), list(device_ids))
+        """Copy primary slots into device blocks; they are valid on return (and for work
+        queued afterwards on the caller's current stream)."""
+        if not slots:
+            return
+        if self.uses_streams:
+            await _await_event(*self._enqueue_to_device(list(slots), list(device_ids)))
+        else:
+            await self._run(self._copy_to_device, list(slots), list(device_ids))
+
+    # -- CUDA: enqueue on a side stream, then poll an event ------------------------------------
+    def _stream(self, direction: str) -> Any:
+        if direction not in self._streams:
+            self._streams[direction] = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        return self._streams[direction]
+
+    def _device_index(self, ids: list[int]) -> torch.Tensor:
+        # From pinned memory, so the small upload is asynchronous too.
+        return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+
+    def _enqueue_to_host(self, device_ids: list[int], slots: list[int]) -> tuple[Any, list[Any]]:
+        host = self._primary.buffer
+        producer = torch.cuda.current_stream(self.device)
+        stream = self._stream("to_host")
+        with torch.cuda.stream(stream):
+            stream.wait_stream(producer)  # the KV must be complete before we read it
+            index = self._device_index(device_ids)
+            staging = torch.empty((len(device_ids), host.shape[1]), dtype=torch.uint8, device=self.device)
+            for part, offset, width in self._parts:
+                staging.narrow(1, offset, width).copy_(part.index_select(0, index))
+            for start, first, count in _slot_runs(slots):
+                host[first : first + count].copy_(staging[start : start + count], non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return event, [index, staging]  # kept alive until the event has fired
+
+    def _enqueue_to_device(self, slots: list[int], device_ids: list[int]) -> tuple[Any, list[Any]]:
+        host = self._primary.buffer
+        stream = self._stream("to_device")
+        consumer = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            stream.wait_stream(consumer)  # earlier work on those device blocks goes first
+            staging = torch.empty((len(slots), host.shape[1]), dtype=torch.uint8, device=self.device)
+            for start, first, count in _slot_runs(slots):
+                staging[start : start + count].copy_(host[first : first + count], non_blocking=True)
+            index = self._device_index(device_ids)
+            for part, offset, width in self._parts:
+                part.index_copy_(0, index, staging.narrow(1, offset, width))
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        consumer.wait_event(event)  # work queued later on the caller's stream sees the blocks
+        return event, [index, staging]
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
 
+    # -- elsewhere: torch ops on worker threads ------------------------------------------------------
     async def _run(self, fn: Any, *args: Any) -> None:
-        if not args[0]:
-            return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kvtier-copy")
         # Awaited to the end even when cancelled: the thread touches buffers the caller owns.
@@ -115,16 +182,59 @@ class CopyEngine:
 
     def _copy_to_host(self, device_ids: list[int], slots: list[int]) -> None:
         host = self._primary.buffer
-        slot_index = torch.tensor(slots, dtype=torch.long)
-        device_index = torch.tensor(device_ids, dtype=torch.long, device=self.device)
-        for part, offset, width in self._parts:
-            gathered = part.index_select(0, device_index).cpu()
-            host.narrow(1, offset, width).index_copy_(0, slot_index, gathered)
+        for device_first, slot_first, count in _paired_runs(device_ids, slots):
+            rows = host[slot_first : slot_first + count]
+            for part, offset, width in self._parts:
+                rows.narrow(1, offset, width).copy_(part[device_first : device_first + count])
 
     def _copy_to_device(self, slots: list[int], device_ids: list[int]) -> None:
         host = self._primary.buffer
-        slot_index = torch.tensor(slots, dtype=torch.long)
-        device_index = torch.tensor(device_ids, dtype=torch.long, device=self.device)
-        for part, offset, width in self._parts:
-            gathered = host.narrow(1, offset, width).index_select(0, slot_index)
-            part.index_copy_(0, device_index, gathered.to(self.device))
+        for device_first, slot_first, count in _paired_runs(device_ids, slots):
+            rows = host[slot_first : slot_first + count]
+            for part, offset, width in self._parts:
+                part[device_first : device_first + count].copy_(rows.narrow(1, offset, width))
+
+
+def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first device id, first slot, count) for runs where both go up by one: a serving
+    engine's blocks are often neighbours, and so are freshly allocated slots, so
+    whole runs move with one strided copy per layer instead of one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for device_id, slot in zip(device_ids, slots):
+        if runs and runs[-1][0] + runs[-1][2] == device_id and runs[-1][1] + runs[-1][2] == slot:
+            first_device, first_slot, count = runs[-1]
+            runs[-1] = (first_device, first_slot, count + 1)
+        else:
+            runs.append((device_id, slot, 1))
+    return runs
+
+
+def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(position in `slots`, first slot, count) for each run of consecutive slot numbers."""
+    runs: list[tuple[int, int, int]] = []
+    for position, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((position, slot, 1))
+    return runs
+
+
+async def _await_event(event: Any, keep_alive: list[Any]) -> None:
+    """Poll a CUDA event from the event loop (backing off to 1 ms) until it has fired.
+
+    If cancelled meanwhile, keeps waiting, then re-raises: the copy reads or
+    writes buffers the caller owns. `keep_alive` holds the staging tensors until then.
+    """
+    delay = 50e-6
+    cancelled: asyncio.CancelledError | None = None
+    while not event.query():
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        delay = min(delay * 2, 1e-3)
+    del keep_alive[:]
+    if cancelled is not None:
+        raise cancelled

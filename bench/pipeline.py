@@ -1,0 +1,135 @@
+"""Benchmark: does the cache overlap device <-> host copies with file-system tier I/O?
+
+    python bench/pipeline.py                  # 1 GiB of 2 MiB blocks, 32 layers
+    python bench/pipeline.py --gib 0.05       # a quick look
+
+Measured in one run, medians of --repeat interleaved runs:
+- store: copy-only (`TieredKVCache.store` with no secondary tier: device -> primary),
+  write-only (`FileSystemTier.store` of the same blocks already in the primary tier),
+  and the pipeline (`TieredKVCache.store` + `flush` with the fs tier);
+- load: copy-only (primary hits -> device), read-only (cold `FileSystemTier.load`
+  into the primary tier), and the pipeline (cold `TieredKVCache.load`: tier reads
+  promoted into the primary tier while earlier chunks travel to the device).
+The ratio is pipeline / max(copy-only, I/O-only); 1.0 is perfect overlap, the
+sum of the two would be no overlap at all. CPU tensors stand in for GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from common import drop_cache, median_of, run, timed
+
+import kvtier_async as kt
+from kvtier_async.tiers.fs import FileSystemTier
+
+LAYERS = 32
+
+
+def make_layers(blocks: int, block_nbytes: int) -> list[torch.Tensor]:
+    width = block_nbytes // LAYERS
+    return [torch.randint(0, 256, (blocks, width), dtype=torch.uint8) for _ in range(LAYERS)]
+
+
+async def one_round(work: Path, block_nbytes: int, blocks: int) -> dict[str, float]:
+    layers = make_layers(blocks, block_nbytes)
+    original = [layer.clone() for layer in layers]
+    ids = list(range(blocks))
+    keys = kt.block_hashes(range(blocks * 16), 16, namespace="pipeline")
+    primary_blocks = max(8, blocks // 2)  # the store proceeds in chunks through a smaller primary
+    capacity = 4 * blocks * block_nbytes + (64 << 20)
+    out: dict[str, float] = {}
+
+    def spec(tiers: list[dict[str, object]], num_cpu_blocks: int) -> kt.OffloadingSpec:
+        return kt.OffloadingSpec(
+            block_nbytes=block_nbytes,
+            num_cpu_blocks=num_cpu_blocks,
+            secondary_tiers=tiers,
+            namespace="pipeline",
+        )
+
+    # Store, copy-only: device -> primary tier, nothing behind it.
+    async with kt.TieredKVCache(spec([], blocks), layers) as cache:
+        out["store_copy_s"] = await timed(lambda: cache.store(keys, ids))
+        # Load, copy-only: every block is a primary hit.
+        for layer in layers:
+            layer.zero_()
+        out["load_copy_s"] = await timed(lambda: cache.load(keys, ids))
+        # Store, write-only: the same blocks, already in the primary tier, to the fs tier.
+        slots = [cache.primary.lookup(key) for key in keys]
+        tier = FileSystemTier(
+            cache.spec, cache.primary.view, root=str(work / "write-only"), capacity_bytes=capacity
+        )
+        async with tier:
+            await tier.lookup(keys[:1])  # open it outside the timing
+            out["store_io_s"] = await timed(lambda: tier.store(keys, slots))  # type: ignore[arg-type]
+            await asyncio.to_thread(drop_cache, work / "write-only")
+            out["load_io_s"] = await timed(lambda: tier.load(keys, slots))  # type: ignore[arg-type]
+    # The pipeline: store through a primary tier half the size, to the fs tier.
+    for layer, data in zip(layers, original):
+        layer.copy_(data)
+    fs = [{"type": "fs", "root": str(work / "pipeline"), "capacity_bytes": capacity}]
+    async with kt.TieredKVCache(spec(fs, primary_blocks), layers) as cache:
+        await cache.lookup(keys[:1])
+
+        async def store() -> None:
+            assert await cache.store(keys, ids) == blocks
+            await cache.flush()
+
+        out["store_pipeline_s"] = await timed(store)
+    await asyncio.to_thread(drop_cache, work / "pipeline")
+    for layer in layers:
+        layer.zero_()
+    async with kt.TieredKVCache(spec(fs, primary_blocks), layers) as cache:  # cold: empty primary
+        await cache.lookup(keys[:1])
+
+        async def load() -> None:
+            assert await cache.load(keys, ids) == blocks
+
+        out["load_pipeline_s"] = await timed(load)
+    assert all(torch.equal(a, b) for a, b in zip(layers, original)), "wrong bytes"
+    for direction in ("store", "load"):
+        slowest = max(out[f"{direction}_copy_s"], out[f"{direction}_io_s"])
+        out[f"{direction}_ratio"] = out[f"{direction}_pipeline_s"] / slowest
+    return out
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--block-kib", type=int, default=2048)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    block = args.block_kib * 1024
+    blocks = max(8, int(args.gib * (1 << 30)) // block)
+    rounds = []
+    for attempt in range(args.repeat):
+        work = Path(tempfile.mkdtemp(prefix="kvtier-pipeline-", dir=args.dir))
+        try:
+            rounds.append(await one_round(work, block, blocks))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"round {attempt + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in rounds[-1].items()), flush=True)
+    result = median_of(rounds)
+    gib = blocks * block / (1 << 30)
+    for direction, io in (("store", "write"), ("load", "read")):
+        print(
+            f"{direction} {gib:.2f} GiB of {args.block_kib} KiB blocks: pipeline "
+            f"{result[f'{direction}_pipeline_s']:.3f} s, copy-only {result[f'{direction}_copy_s']:.3f} s, "
+            f"{io}-only {result[f'{direction}_io_s']:.3f} s -> {result[f'{direction}_ratio']:.2f}x "
+            f"the slower one (target <= 1.15)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"blocks": blocks, "block_kib": args.block_kib, **result}))
+
+
+if __name__ == "__main__":
+    run(main)
