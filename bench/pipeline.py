@@ -32,13 +32,13 @@ from kvtier_async.tiers.fs import FileSystemTier
 LAYERS = 32
 
 
-def make_layers(blocks: int, block_nbytes: int) -> list[torch.Tensor]:
+def make_layers(blocks: int, block_nbytes: int, device: str = "cpu") -> list[torch.Tensor]:
     width = block_nbytes // LAYERS
-    return [torch.randint(0, 256, (blocks, width), dtype=torch.uint8) for _ in range(LAYERS)]
+    return [torch.randint(0, 256, (blocks, width), dtype=torch.uint8, device=device) for _ in range(LAYERS)]
 
 
-async def one_round(work: Path, block_nbytes: int, blocks: int) -> dict[str, float]:
-    layers = make_layers(blocks, block_nbytes)
+async def one_round(work: Path, block_nbytes: int, blocks: int, device: str = "cpu") -> dict[str, float]:
+    layers = make_layers(blocks, block_nbytes, device)
     original = [layer.clone() for layer in layers]
     ids = list(range(blocks))
     keys = kt.block_hashes(range(blocks * 16), 16, namespace="pipeline")

@@ -46,3 +46,54 @@ def test_fs_open_bench_runs(tmp_path: Path) -> None:
         timeout=300,
     )
     assert "open (cold)" in result.stdout
+
+
+def test_gpu_check_runs_on_the_cpu_fallback() -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_check.py"), "--small"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "byte-exact True" in result.stdout and "False" not in result.stdout
+    assert "pipeline through the fs tier" in result.stdout
+
+
+def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "pipeline.py"),
+            "--gib",
+            "0.02",
+            "--repeat",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert json.loads(out.read_text())["store_ratio"] > 0
+    lag = tmp_path / "lag.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "loop_lag.py"),
+            "--gib",
+            "0.02",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(lag),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert set(json.loads(lag.read_text())) == {"idle", "store", "load"}

@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 
 import probe_tier  # imported up front: a first import reads files, which blocks the loop
 import pytest
 import torch
 
 import kvtier_async as kt
+import kvtier_async.tiers.fs  # imported up front too: the fs-tier test builds one on the loop
 
 NUM_DEVICE_BLOCKS = 64
 
@@ -362,3 +364,28 @@ async def test_a_load_waits_for_a_block_another_load_is_promoting() -> None:
         assert same_blocks(original, list(range(6)), layers, list(range(10, 16)))
         assert sorted(gated.reads) == sorted(keys)  # each block was read from the tier once
         assert cache.stats()["primary_pinned_blocks"] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("num_cpu_blocks", [256, 12], ids=["one-chunk", "many-chunks"])
+async def test_large_store_and_cold_load_through_the_fs_tier_never_block_the_loop(
+    tmp_path: Path, num_cpu_blocks: int
+) -> None:
+    """blockbuster is active here: any blocking call on the event-loop thread fails the test."""
+    blocks = 60
+    layers = [torch.randint(0, 256, (blocks, 8192), dtype=torch.uint8) for _ in range(4)]
+    original = snapshot(layers)
+    keys = keys_for(blocks)
+    fs = [{"type": "fs", "root": str(tmp_path / "kv"), "capacity_bytes": 64 << 20}]
+    spec = kt.OffloadingSpec(block_nbytes=4 * 8192, num_cpu_blocks=num_cpu_blocks, secondary_tiers=fs)
+    expected_chunks = -(-blocks // spec.limits.chunk_blocks)
+    assert (expected_chunks == 1) == (num_cpu_blocks == 256)
+    async with kt.TieredKVCache(spec, layers) as cache:
+        assert await cache.store(keys, list(range(blocks))) == blocks
+        await cache.flush()
+    wipe(layers)
+    async with kt.TieredKVCache(spec, layers) as cache:  # a cold primary tier: all from disk
+        assert await cache.load(keys, list(range(blocks))) == blocks
+        assert cache.stats()["promoted_blocks"] == blocks
+        assert cache.stats()["primary_pinned_blocks"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(original, layers))
