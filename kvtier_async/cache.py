@@ -60,6 +60,7 @@ class _Staged:
     filling: set[int] = field(default_factory=set)  # allocated here and not published
     cut: int = 0  # leading blocks now valid
     then: _Then = _Then.GO_ON
+    releases_seen: int = 0  # the cache's release count when `then` became WAIT
 
 
 @dataclass(slots=True)
@@ -105,9 +106,21 @@ class TieredKVCache(AsyncResource):
             raise
         self.counters: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
+        # Releases of primary slots, counted, so a load that found every slot pinned can
+        # wait for "a release since I looked" without missing one.
+        self._releases = 0
         self._released = asyncio.Event()
-        self.primary.on_release = self._released.set
+        self.primary.on_release = self._on_release
         self._closed = False
+
+    def _on_release(self) -> None:
+        self._releases += 1
+        self._released.set()
+
+    async def _wait_for_release(self, since: int) -> None:
+        while self._releases == since:
+            self._released.clear()
+            await self._released.wait()
 
     def _unique_name(self, tier_type: str) -> str:
         taken = {tier.name for tier in self.tiers}
@@ -293,16 +306,31 @@ class TieredKVCache(AsyncResource):
     ) -> None:
         """Move blocks chunk by chunk until the first one that is not available anywhere.
 
-        Two stages overlap: while chunk k travels host -> device, chunk k+1 is
-        already gathered in the primary tier (hits pinned, misses read from the
-        secondary tiers). `progress[0]` counts the blocks whose device copy is done.
+        The stages overlap: while chunk k travels host -> device, the next few
+        chunks are already being gathered in the primary tier (hits pinned,
+        misses read from the secondary tiers), so tier reads keep several
+        batches in flight. Only the chunk at the head counts: a chunk gathered
+        ahead that came out short is given back and gathered again when it is
+        the head. `progress[0]` counts the blocks whose device copy is done.
         """
-        pos = 0
+        chunk = self.limits.chunk_blocks
+        depth = max(1, min(4, self.primary.num_slots // 2 // chunk))  # chunks gathered ahead
+        starts = list(range(0, len(keys), chunk))
+        ahead: dict[int, asyncio.Future[_Staged]] = {}
         inflight: _InFlight | None = None
+        head = 0  # index into starts
         try:
-            while pos < len(keys):
-                end = min(len(keys), pos + self.limits.chunk_blocks)
-                staged = await self._stage_chunk(keys, pos, end, priority)
+            while head < len(starts):
+                for k in range(head, min(head + depth, len(starts))):
+                    if k not in ahead:
+                        end = starts[k + 1] if k + 1 < len(starts) else len(keys)
+                        ahead[k] = asyncio.ensure_future(self._stage_chunk(keys, starts[k], end, priority))
+                pos = starts[head]
+                end = starts[head + 1] if head + 1 < len(starts) else len(keys)
+                staged = await self._staged_result(ahead.pop(head))
+                short = staged.cut < end - pos or staged.then is not _Then.GO_ON
+                if short:
+                    await self._give_back(ahead)  # gathered on a guess that no longer holds
                 copy = None
                 if ids is not None and staged.cut:
                     prefix = [slot for slot in staged.slots[: staged.cut] if slot is not None]
@@ -312,19 +340,56 @@ class TieredKVCache(AsyncResource):
                 previous, inflight = inflight, _InFlight(staged, copy, pos + staged.cut)
                 if previous is not None:
                     await self._finish(previous, progress)
-                pos += staged.cut
                 if staged.then is _Then.STOP:
                     break
+                if staged.cut < end - pos:
+                    starts[head] = pos + staged.cut  # the rest of this chunk goes again
+                else:
+                    head += 1
                 if staged.then is _Then.WAIT:
-                    # Nothing could move without a slot someone else holds. Give ours back
-                    # first; no await since that decision, so no release since is missed.
+                    # Nothing could move without a slot someone else held when it looked;
+                    # give ours back and wait for any release since then (ours count).
                     done, inflight = inflight, None
                     await self._finish(done, progress)
-                    self._released.clear()
-                    await self._released.wait()
+                    await self._wait_for_release(staged.releases_seen)
         finally:
+            await self._give_back(ahead)
             if inflight is not None:
                 await self._finish(inflight, progress)
+
+    async def _give_back(self, ahead: dict[int, asyncio.Future[_Staged]]) -> None:
+        """Cancel chunks gathered ahead and release what they hold; runs to its end."""
+        tasks = list(ahead.values())
+        ahead.clear()
+        for task in tasks:
+            task.cancel()
+        ours: asyncio.CancelledError | None = None
+        for task in tasks:
+            while not task.done():
+                try:
+                    await asyncio.wait({task})  # raises only if we ourselves are cancelled
+                except asyncio.CancelledError as exc:
+                    ours = exc
+            if not task.cancelled() and task.exception() is None:
+                self._release(task.result())  # it finished before the cancel reached it
+        if ours is not None:
+            raise ours
+
+    async def _staged_result(self, task: asyncio.Future[_Staged]) -> _Staged:
+        """Wait for a chunk being gathered. If we are cancelled meanwhile, it is cancelled
+        too and waited for, and whatever it holds is released before we go on."""
+        ours: asyncio.CancelledError | None = None
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError as exc:
+                ours = exc
+                task.cancel()  # _stage_chunk releases what it holds when cancelled
+        if ours is not None:
+            if not task.cancelled() and task.exception() is None:
+                self._release(task.result())
+            raise ours
+        return task.result()
 
     async def _finish(self, inflight: _InFlight, progress: list[int]) -> None:
         """Wait for a chunk's device copy (to its end, even if cancelled), then release it."""
@@ -361,6 +426,7 @@ class TieredKVCache(AsyncResource):
                 staged.slots.append(primary.acquire(keys[i]))
             if not staged.slots:
                 staged.then = _Then.WAIT  # its filler will publish or abort it
+                staged.releases_seen = self._releases
                 return staged
             cut = len(staged.slots)  # the prefix that can be valid
             misses = [j for j, slot in enumerate(staged.slots) if slot is None]
@@ -383,6 +449,7 @@ class TieredKVCache(AsyncResource):
                 if cut == 0:
                     if staged.then is _Then.GO_ON:
                         staged.then = _Then.WAIT
+                        staged.releases_seen = self._releases
                     return staged
                 # 3. promote from the tiers, concurrently per tier
                 ok = await self._promote(keys, pos, staged.slots, by_tier, priority)
