@@ -10,27 +10,32 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-def test_fs_tier_bench_runs(tmp_path: Path) -> None:
-    out = tmp_path / "fs.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "fs_tier.py"),
-            "--gib",
-            "0.01",
-            "--threads",
-            "2",
-            "--repeat",
-            "1",
-            "--aiofiles",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],
+def bench(script: str, *args: str | Path) -> str:
+    """Run bench/SCRIPT with ARGS; its standard output."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *map(str, args)],
         check=True,
         capture_output=True,
-        timeout=300,
+        text=True,
+        timeout=600,
+    ).stdout
+
+
+def test_fs_tier_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "fs.json"
+    bench(
+        "fs_tier.py",
+        "--gib",
+        "0.01",
+        "--threads",
+        "2",
+        "--repeat",
+        "1",
+        "--aiofiles",
+        "--dir",
+        tmp_path,
+        "--json",
+        out,
     )
     rows = json.loads(out.read_text())
     assert {row["block_kib"] for row in rows} == {2048, 64}
@@ -38,62 +43,19 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
 
 
 def test_fs_open_bench_runs(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "fs_open.py"), "--blocks", "500", "--dir", str(tmp_path)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "open (cold)" in result.stdout
+    assert "open (cold)" in bench("fs_open.py", "--blocks", "500", "--dir", tmp_path)
 
 
 def test_gpu_check_runs_on_the_cpu_fallback() -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "gpu_check.py"), "--small"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert "byte-exact True" in result.stdout and "False" not in result.stdout
-    assert "pipeline through the fs tier" in result.stdout
+    out = bench("gpu_check.py", "--small")
+    assert "byte-exact True" in out and "False" not in out
+    assert "pipeline through the fs tier" in out
 
 
 def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "pipeline.py"),
-            "--gib",
-            "0.02",
-            "--repeat",
-            "1",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    bench("pipeline.py", "--gib", "0.02", "--repeat", "1", "--dir", tmp_path, "--json", out)
     assert json.loads(out.read_text())["store_ratio"] > 0
     lag = tmp_path / "lag.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "loop_lag.py"),
-            "--gib",
-            "0.02",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(lag),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    bench("loop_lag.py", "--gib", "0.02", "--dir", tmp_path, "--json", lag)
     assert set(json.loads(lag.read_text())) == {"idle", "store", "load"}
