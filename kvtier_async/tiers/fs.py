@@ -654,5 +654,6 @@ class FileSystemTier(SecondaryTierManager):
             "evictions": self.counters["evictions"],
             "corrupt_blocks": self.counters["corrupt_blocks"],
             "write_errors": self.counters["write_errors"],
+            "stores_without_room": self.counters["stores_without_room"],
             "out_of_space": self.counters["out_of_space"],
         }

@@ -24,7 +24,6 @@ is the LRU order after a restart.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import struct
@@ -188,6 +187,3 @@ def make_private_dir(path: Path) -> None:
 def is_out_of_space(exc: OSError) -> bool:
     return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
-
-def key_digest(key: bytes) -> str:
-    return hashlib.blake2b(key, digest_size=8).hexdigest()
