@@ -37,6 +37,23 @@ __all__ = ["TieredKVCache"]
 log = logging.getLogger(__name__)
 
 
+async def _settle(task: asyncio.Future[Any]) -> asyncio.CancelledError | None:
+    """Wait until `task` is done, whatever it raises. If we are cancelled meanwhile, cancel
+    it (its own clean-up runs) and keep waiting; returns our cancellation, if any."""
+    ours: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait({task})  # raises only if we ourselves are cancelled
+        except asyncio.CancelledError as exc:
+            ours = exc
+            task.cancel()
+    return ours
+
+
+def _succeeded(task: asyncio.Future[Any]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
 def _check_timeout(timeout: float | None) -> None:
     if timeout is None:
         return
@@ -365,12 +382,8 @@ class TieredKVCache(AsyncResource):
             task.cancel()
         ours: asyncio.CancelledError | None = None
         for task in tasks:
-            while not task.done():
-                try:
-                    await asyncio.wait({task})  # raises only if we ourselves are cancelled
-                except asyncio.CancelledError as exc:
-                    ours = exc
-            if not task.cancelled() and task.exception() is None:
+            ours = await _settle(task) or ours
+            if _succeeded(task):
                 self._release(task.result())  # it finished before the cancel reached it
         if ours is not None:
             raise ours
@@ -378,15 +391,9 @@ class TieredKVCache(AsyncResource):
     async def _staged_result(self, task: asyncio.Future[_Staged]) -> _Staged:
         """Wait for a chunk being gathered. If we are cancelled meanwhile, it is cancelled
         too and waited for, and whatever it holds is released before we go on."""
-        ours: asyncio.CancelledError | None = None
-        while not task.done():
-            try:
-                await asyncio.wait({task})
-            except asyncio.CancelledError as exc:
-                ours = exc
-                task.cancel()  # _stage_chunk releases what it holds when cancelled
+        ours = await _settle(task)
         if ours is not None:
-            if not task.cancelled() and task.exception() is None:
+            if _succeeded(task):
                 self._release(task.result())
             raise ours
         return task.result()

@@ -186,4 +186,3 @@ def make_private_dir(path: Path) -> None:
 
 def is_out_of_space(exc: OSError) -> bool:
     return exc.errno in (errno.ENOSPC, errno.EDQUOT)
-
