@@ -211,15 +211,7 @@ def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int
 
 def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """(position in `slots`, first slot, count) for each run of consecutive slot numbers."""
-    runs: list[tuple[int, int, int]] = []
-    for position, slot in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == slot:
-            start, first, count = runs[-1]
-            runs[-1] = (start, first, count + 1)
-        else:
-            runs.append((position, slot, 1))
-    return runs
-
+    return _paired_runs(list(range(len(slots))), slots)  # positions always go up by one
 
 async def _await_event(event: Any, keep_alive: list[Any]) -> None:
     """Poll a CUDA event from the event loop (backing off to 1 ms) until it has fired.
