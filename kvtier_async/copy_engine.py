@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from .errors import InvalidArgumentError
 from .primary import PrimaryTier
-from .scheduler import wait_uncancellable
+from .workers import WorkerThreads
 
 __all__ = ["CopyEngine", "as_layer_list", "block_widths"]
 
@@ -100,8 +99,7 @@ class CopyEngine:
         for layer, width in zip(layers, widths):
             self._parts.append((layer.view(num_blocks, -1).view(torch.uint8), offset, width))
             offset += width
-        self._threads = threads
-        self._executor: ThreadPoolExecutor | None = None
+        self._workers = WorkerThreads(threads, "kvtier-copy")
         #: Streams and events, when the device is a GPU and the host buffer is pinned.
         self.uses_streams = self.device.type == "cuda" and primary.pinned
         self._streams: dict[str, Any] = {}
@@ -113,7 +111,8 @@ class CopyEngine:
         if self.uses_streams:
             await _await_event(*self._enqueue_to_host(list(device_ids), list(slots)))
         else:
-            await self._run(self._copy_to_host, list(device_ids), list(slots))
+            # Awaited to the end even when cancelled: the thread touches buffers the caller owns.
+            await self._workers.run(self._copy_to_host, list(device_ids), list(slots))
 
     async def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> None:
         """Copy primary slots into device blocks; they are valid on return (and for work
@@ -123,7 +122,7 @@ class CopyEngine:
         if self.uses_streams:
             await _await_event(*self._enqueue_to_device(list(slots), list(device_ids)))
         else:
-            await self._run(self._copy_to_device, list(slots), list(device_ids))
+            await self._workers.run(self._copy_to_device, list(slots), list(device_ids))
 
     # -- CUDA: enqueue on a side stream, then poll an event ------------------------------------
     def _stream(self, direction: str) -> Any:
@@ -169,16 +168,9 @@ class CopyEngine:
         return event, [index, staging]
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+        self._workers.close()
 
     # -- elsewhere: torch ops on worker threads ------------------------------------------------------
-    async def _run(self, fn: Any, *args: Any) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kvtier-copy")
-        # Awaited to the end even when cancelled: the thread touches buffers the caller owns.
-        await wait_uncancellable(asyncio.wrap_future(self._executor.submit(fn, *args)))
 
     def _copy_to_host(self, device_ids: list[int], slots: list[int]) -> None:
         host = self._primary.buffer
@@ -212,6 +204,7 @@ def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int
 def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """(position in `slots`, first slot, count) for each run of consecutive slot numbers."""
     return _paired_runs(list(range(len(slots))), slots)  # positions always go up by one
+
 
 async def _await_event(event: Any, keep_alive: list[Any]) -> None:
     """Poll a CUDA event from the event loop (backing off to 1 ms) until it has fired.

@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from enum import IntEnum
 from typing import Any, Literal, TypeVar
 
 from .spec import OffloadingSpec, SchedulerLimits
+from .workers import WorkerThreads, wait_uncancellable
 
 __all__ = ["Lane", "Priority", "Scheduler", "wait_uncancellable"]
 
@@ -125,28 +124,6 @@ class Lane:
         return out
 
 
-async def wait_uncancellable(future: asyncio.Future[T]) -> T:
-    """Await `future` to the end even if we are cancelled meanwhile; then re-raise the cancel.
-
-    Used where a worker thread reads or writes a buffer the caller owns: the
-    call must not return (cancelled or not) while the thread still touches it.
-    """
-    cancelled: asyncio.CancelledError | None = None
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError as exc:
-            if not future.done():
-                cancelled = exc  # we were cancelled, the work was not: keep waiting
-        except BaseException:
-            pass  # the work's own error: future.result() below raises it
-    if cancelled is not None:
-        if not future.cancelled():
-            future.exception()  # retrieved, so asyncio does not warn about it
-        raise cancelled
-    return future.result()
-
-
 class Scheduler:
     """Lanes per tier and direction, plus the bounded worker threads for blocking tier work.
 
@@ -157,8 +134,7 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits) -> None:
         self.limits = limits
         self._lanes: dict[tuple[str, str], Lane] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self._workers = WorkerThreads(limits.io_threads, "kvtier-io")
 
     @classmethod
     def from_spec(cls, spec: OffloadingSpec) -> Scheduler:
@@ -178,19 +154,11 @@ class Scheduler:
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.limits.io_threads, thread_name_prefix="kvtier-io")
-            executor = self._executor
-        concurrent: Future[T] = executor.submit(fn, *args)
-        return await wait_uncancellable(asyncio.wrap_future(concurrent))
+        return await self._workers.run(fn, *args)
 
     def close(self) -> None:
         """Let the worker threads exit once idle; never blocks."""
-        with self._executor_lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)
-                self._executor = None
+        self._workers.close()
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {lane.name: lane.stats() for lane in self._lanes.values()}

@@ -1,0 +1,126 @@
+"""`WorkerThreads`: bounded worker threads for blocking work, all started before the first job.
+
+`concurrent.futures.ThreadPoolExecutor` starts its threads lazily, inside
+`submit()`, and `Thread.start()` waits until the new thread has run and taken
+the GIL. Called from the event loop while the other workers keep the CPUs and
+the GIL busy, that wait held the loop for up to 200 ms (`bench/loop_lag.py`).
+Here every thread is started once, from a helper thread, and awaited from the
+loop; after that, submitting only queues.
+
+The threads also run at a lower CPU priority (nice +10) than the loop: their
+work is bulk (copies, checksums, O_DIRECT set-up), and on a machine with few
+cores the loop otherwise waits behind them for a CPU, and for the GIL they
+take back after each call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+from .errors import ClosedError, InvalidArgumentError
+
+__all__ = ["WorkerThreads", "wait_uncancellable"]
+
+T = TypeVar("T")
+
+#: How much nicer than the event loop the worker threads are (Linux: per thread).
+WORKER_NICENESS = 10
+
+
+async def wait_uncancellable(future: asyncio.Future[T]) -> T:
+    """Await `future` to the end even if we are cancelled meanwhile; then re-raise the cancel.
+
+    Used where a worker thread reads or writes a buffer the caller owns: the
+    call must not return (cancelled or not) while the thread still touches it.
+    """
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            if not future.done():
+                cancelled = exc  # we were cancelled, the work was not: keep waiting
+        except BaseException:
+            pass  # the work's own error: future.result() below raises it
+    if cancelled is not None:
+        if not future.cancelled():
+            future.exception()  # retrieved, so asyncio does not warn about it
+        raise cancelled
+    return future.result()
+
+
+class WorkerThreads:
+    """`threads` worker threads named `<name>_<n>`, used from one event loop."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        if threads < 1:
+            raise InvalidArgumentError(f"WorkerThreads needs at least one thread, got {threads}")
+        self.threads = threads
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._starting: asyncio.Future[ThreadPoolExecutor] | None = None
+        self._closed = False
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
+        executor = self._executor or await self._start()
+        return await wait_uncancellable(asyncio.wrap_future(executor.submit(fn, *args)))
+
+    async def _start(self) -> ThreadPoolExecutor:
+        if self._closed:
+            raise ClosedError(f"worker threads {self.name!r} are closed")
+        if self._starting is None:
+            loop = asyncio.get_running_loop()
+            self._starting = loop.run_in_executor(None, _started_executor, self.threads, self.name)
+        starting = self._starting
+        try:
+            # Shielded: a caller cancelled here leaves the start to finish for the others.
+            executor = await asyncio.shield(starting)
+        except Exception:
+            if self._starting is starting:
+                self._starting = None  # the next call tries again
+            raise
+        if self._closed:  # closed while starting: nobody else will shut these down
+            executor.shutdown(wait=False)
+            raise ClosedError(f"worker threads {self.name!r} are closed")
+        self._executor = executor
+        return executor
+
+    def close(self) -> None:
+        """Let the threads exit once their queued work is done; never blocks."""
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _started_executor(threads: int, name: str) -> ThreadPoolExecutor:
+    """A ThreadPoolExecutor whose `threads` threads are all running (blocks: call off the loop)."""
+    executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    # Each job holds its thread until all have arrived, so each submit starts a new thread.
+    barrier = threading.Barrier(threads)
+
+    def settle() -> None:
+        _lower_priority()
+        barrier.wait()
+
+    for job in wait([executor.submit(settle) for _ in range(threads)]).done:
+        job.result()
+    return executor
+
+
+def _lower_priority() -> None:
+    """Make the calling thread WORKER_NICENESS nicer; a no-op where threads have no own priority."""
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere PRIO_PROCESS with a thread id would renice the whole process
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
+    except OSError:
+        pass  # a sandbox without setpriority: run at the loop's priority

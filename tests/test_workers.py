@@ -1,0 +1,79 @@
+"""`WorkerThreads`: every thread runs before the first job, so submitting never starts one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+
+import pytest
+
+from kvtier_async.errors import ClosedError
+from kvtier_async.workers import WORKER_NICENESS, WorkerThreads
+
+
+def _named(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix + "_")]
+
+
+@pytest.mark.asyncio
+async def test_all_threads_run_before_the_first_job() -> None:
+    workers = WorkerThreads(3, "kvtier-test-start")
+    try:
+        # Inside the first job, every thread of the pool already exists.
+        assert await workers.run(lambda: len(_named("kvtier-test-start"))) == 3
+        idents = await asyncio.gather(*(workers.run(threading.get_ident) for _ in range(50)))
+        assert len(_named("kvtier-test-start")) == 3
+        assert set(idents) <= {t.ident for t in _named("kvtier-test-start")}
+    finally:
+        workers.close()
+
+
+@pytest.mark.asyncio
+async def test_concurrent_first_calls_share_one_start_even_if_one_is_cancelled() -> None:
+    workers = WorkerThreads(2, "kvtier-test-share")
+    try:
+        first = asyncio.ensure_future(workers.run(lambda: 1))
+        others = [asyncio.ensure_future(workers.run(lambda: 2)) for _ in range(5)]
+        await asyncio.sleep(0)
+        first.cancel()
+        assert await asyncio.gather(*others) == [2] * 5
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert len(_named("kvtier-test-share")) == 2
+    finally:
+        workers.close()
+
+
+@pytest.mark.asyncio
+async def test_errors_come_back_and_closed_pools_refuse_work() -> None:
+    workers = WorkerThreads(1, "kvtier-test-errors")
+
+    def fail() -> None:
+        raise OSError("disk on fire")
+
+    with pytest.raises(OSError, match="disk on fire"):
+        await workers.run(fail)
+    assert await workers.run(lambda: "still serving") == "still serving"
+    workers.close()
+    with pytest.raises(ClosedError):
+        await workers.run(lambda: None)
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux only")
+async def test_workers_yield_the_cpu_to_the_loop() -> None:
+    workers = WorkerThreads(2, "kvtier-test-nice")
+    try:
+        loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        worker_nice = await workers.run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert worker_nice == min(19, loop_nice + WORKER_NICENESS)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
+    finally:
+        workers.close()
+
+
+def test_needs_a_thread() -> None:
+    with pytest.raises(ValueError, match="at least one thread"):
+        WorkerThreads(0, "kvtier-test-none")
