@@ -20,11 +20,17 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import AsyncResource
+
+# anyio imports its asyncio backend (a dozen modules) on the first task group; here that
+# is import time, not the middle of the first store, on the event loop. Should a future
+# anyio move it, we pay on first use, as before.
+with suppress(ImportError):
+    import anyio._backends._asyncio
 
 from .errors import ClosedError, InvalidArgumentError
 from .keys import check_block_ids, check_keys, check_lengths
