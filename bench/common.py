@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import statistics
 import time
@@ -41,12 +42,27 @@ async def timed(work: Callable[[], Awaitable[Any]]) -> float:
 
 
 class LoopLag:
-    """A 1 ms ticker: records how late each wake-up of the event loop comes."""
+    """A 1 ms ticker: records how late each wake-up of the event loop comes.
+
+    It also times the garbage collector's full (generation 2) collections in
+    the same window: with torch imported one takes ~150 ms on these machines,
+    and it stops every thread that wants the GIL, the event loop included.
+    """
 
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.lags: list[float] = []
+        self.full_gc_pauses: list[float] = []
+        self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.full_gc_pauses.append(time.perf_counter() - self._gc_started)
 
     async def _tick(self) -> None:
         while True:
@@ -55,21 +71,24 @@ class LoopLag:
             self.lags.append(max(0.0, time.perf_counter() - started - self.period))
 
     def __enter__(self) -> LoopLag:
+        gc.callbacks.append(self._on_gc)
         self._task = asyncio.ensure_future(self._tick())
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
+        gc.callbacks.remove(self._on_gc)
 
     def summary(self) -> dict[str, float]:
-        if not self.lags:
-            return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "ticks": 0}
+        lags = self.lags or [0.0]
         return {
-            "p50_ms": percentile(self.lags, 0.50) * 1e3,
-            "p99_ms": percentile(self.lags, 0.99) * 1e3,
-            "max_ms": max(self.lags) * 1e3,
+            "p50_ms": percentile(lags, 0.50) * 1e3,
+            "p99_ms": percentile(lags, 0.99) * 1e3,
+            "max_ms": max(lags) * 1e3,
             "ticks": float(len(self.lags)),
+            "full_gcs": float(len(self.full_gc_pauses)),
+            "full_gc_max_ms": max(self.full_gc_pauses, default=0.0) * 1e3,
         }
 
 
