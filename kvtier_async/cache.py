@@ -502,7 +502,8 @@ class TieredKVCache(AsyncResource):
 
     # -- the rest ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """A plain dict: primary-tier gauges, call and block counters, limits, and per-tier stats."""
+        """A plain dict: primary-tier gauges, call and block counters, limits, the scheduler's
+        lanes (`<tier>/load`, `<tier>/store`, `bytes_in_flight`) and per-tier stats."""
         out: dict[str, Any] = dict(self.primary.stats())
         for name in (
             "store_calls",
@@ -521,6 +522,7 @@ class TieredKVCache(AsyncResource):
             out[name] = self.counters[name]
         out["background_stores"] = len(self._background)
         out["limits"] = asdict(self.limits)
+        out["scheduler"] = self.scheduler.stats()
         out["tiers"] = {tier.name: tier.stats() for tier in self.tiers}
         return out
 

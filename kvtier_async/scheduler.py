@@ -36,7 +36,13 @@ class Priority(IntEnum):
 
 
 class Lane:
-    """At most `capacity` holders at once; waiters are admitted best priority first, FIFO within."""
+    """At most `capacity` units held at once (places, or bytes); waiters are admitted best
+    priority first, FIFO within.
+
+    A request larger than the capacity is admitted when it would be alone, so it
+    cannot wait forever. The best waiter is served first even if a later, smaller
+    one would fit: big batches are not starved by a stream of small ones.
+    """
 
     def __init__(self, name: str, capacity: int, max_pending_blocks: int | None = None) -> None:
         self.name = name
@@ -46,26 +52,38 @@ class Lane:
         self.max_inflight_seen = 0
         self.pending_blocks = 0
         self._queued = 0
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[int, int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
 
     # -- synchronous decisions ---------------------------------------------------------------
-    def try_admit(self) -> bool:
-        """Take a place now if one is free and nobody is queued (a waiter comes first)."""
-        if self.inflight < self.capacity and self._queued == 0:
-            self._take()
+    def _fits(self, amount: int) -> bool:
+        return self.inflight == 0 or self.inflight + amount <= self.capacity
+
+    def try_admit(self, amount: int = 1) -> bool:
+        """Take `amount` now if it fits and nobody is queued (a waiter comes first)."""
+        if self._queued == 0 and self._fits(amount):
+            self._take(amount)
             return True
         return False
 
-    def release(self) -> None:
-        """Give a place back; it passes straight to the best live waiter, if any."""
+    def release(self, amount: int = 1) -> None:
+        """Give `amount` back; it passes straight on to the best live waiters that now fit."""
+        self.inflight -= amount
+        assert self.inflight >= 0
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
         while self._waiters:
-            _, _, waiter = heapq.heappop(self._waiters)
-            if not waiter.done():
-                self._queued -= 1
-                waiter.set_result(None)  # the place moves to the waiter: inflight unchanged
-                return
-        self.inflight -= 1
+            _, _, wanted, waiter = self._waiters[0]
+            if waiter.done():  # cancelled while queued
+                heapq.heappop(self._waiters)
+                continue
+            if not self._fits(wanted):
+                break
+            heapq.heappop(self._waiters)
+            self._queued -= 1
+            self._take(wanted)
+            waiter.set_result(None)
 
     def reserve_pending(self, blocks: int) -> int:
         """Reserve room for up to `blocks` waiting blocks; returns how many fit (0..blocks)."""
@@ -80,36 +98,35 @@ class Lane:
         self.pending_blocks -= blocks
         assert self.pending_blocks >= 0
 
-    def _take(self) -> None:
-        self.inflight += 1
+    def _take(self, amount: int) -> None:
+        self.inflight += amount
         self.max_inflight_seen = max(self.max_inflight_seen, self.inflight)
 
     # -- awaiting around them ----------------------------------------------------------------
-    async def acquire(self, priority: Priority) -> None:
-        if self.try_admit():
+    async def acquire(self, priority: Priority, amount: int = 1) -> None:
+        if self.try_admit(amount):
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (int(priority), next(self._seq), waiter))
+        heapq.heappush(self._waiters, (int(priority), next(self._seq), amount, waiter))
         self._queued += 1
         try:
             await waiter
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                self.release()  # granted just as we were cancelled: pass it on
+                self.release(amount)  # granted just as we were cancelled: pass it on
             else:
                 waiter.cancel()
                 self._queued -= 1  # the dead entry is skipped by release()
+                self._admit_waiters()  # we may have been the head that held smaller ones back
             raise
-        # The place was handed over by release(), which kept inflight as it was.
-        self.max_inflight_seen = max(self.max_inflight_seen, self.inflight)
 
     @asynccontextmanager
-    async def place(self, priority: Priority) -> AsyncIterator[None]:
-        await self.acquire(priority)
+    async def place(self, priority: Priority, amount: int = 1) -> AsyncIterator[None]:
+        await self.acquire(priority, amount)
         try:
             yield
         finally:
-            self.release()
+            self.release(amount)
 
     def stats(self) -> dict[str, int]:
         out = {
@@ -134,6 +151,8 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits) -> None:
         self.limits = limits
         self._lanes: dict[tuple[str, str], Lane] = {}
+        #: Bytes in hook calls in flight, every tier and direction together.
+        self.bytes_in_flight = Lane("bytes_in_flight", limits.max_inflight_bytes)
         self._workers = WorkerThreads(limits.io_threads, "kvtier-io")
 
     @classmethod
@@ -161,4 +180,8 @@ class Scheduler:
         self._workers.close()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {lane.name: lane.stats() for lane in self._lanes.values()}
+        """Per lane (`<tier>/load`, `<tier>/store`, `bytes_in_flight`): in flight, queued,
+        capacity, the most ever in flight, and the pending-store budget."""
+        out = {lane.name: lane.stats() for lane in self._lanes.values()}
+        out[self.bytes_in_flight.name] = self.bytes_in_flight.stats()
+        return out

@@ -36,6 +36,8 @@ class SchedulerLimits:
     """Concurrent `write_blocks` calls per tier."""
     max_pending_stores: int
     """Blocks that may wait for a `write_blocks` slot per tier; beyond it stores are dropped."""
+    max_inflight_bytes: int
+    """Bytes handed to `write_blocks` / `read_blocks` calls in flight, all tiers together."""
     batch_blocks: int
     """Blocks handed to one `write_blocks` / `read_blocks` call."""
     chunk_blocks: int
@@ -94,6 +96,9 @@ class OffloadingSpec:
     """Blocks waiting to be written per tier before stores are dropped; None: `num_cpu_blocks`."""
     io_threads: int | None = None
     """Worker threads for blocking tier work; None: 4 per CPU core, between 4 and 32."""
+    max_inflight_bytes: int | None = None
+    """Bytes in `write_blocks` / `read_blocks` calls at once, all tiers of a cache together
+    (loads first); None: enough for every tier's lanes to be full."""
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     """Free-form settings for out-of-tree tiers; kvtier_async itself reads none of it."""
     vllm_config: Any = None
@@ -103,7 +108,13 @@ class OffloadingSpec:
         _check_positive_int("block_nbytes", self.block_nbytes)
         _check_positive_int("num_cpu_blocks", self.num_cpu_blocks)
         _check_positive_int("block_size", self.block_size)
-        for name in ("max_inflight_loads", "max_inflight_stores", "max_pending_stores", "io_threads"):
+        for name in (
+            "max_inflight_loads",
+            "max_inflight_stores",
+            "max_pending_stores",
+            "io_threads",
+            "max_inflight_bytes",
+        ):
             _check_positive_int(name, getattr(self, name), optional=True)
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"OffloadingSpec.namespace must be a non-empty str, got {self.namespace!r}")
@@ -135,12 +146,16 @@ class OffloadingSpec:
         chunk_blocks = max(
             1, min(max(1, self.num_cpu_blocks // 4), max(batch_blocks, _CHUNK_TARGET_BYTES // stride))
         )
+        loads = self.max_inflight_loads or io_threads
+        stores = self.max_inflight_stores or max(1, io_threads // 2)
+        every_lane_full = (loads + stores) * batch_blocks * stride * max(1, len(self.secondary_tiers))
         return SchedulerLimits(
             io_threads=io_threads,
             copy_threads=min(4, cpus),
-            max_inflight_loads=self.max_inflight_loads or io_threads,
-            max_inflight_stores=self.max_inflight_stores or max(1, io_threads // 2),
+            max_inflight_loads=loads,
+            max_inflight_stores=stores,
             max_pending_stores=self.max_pending_stores or self.num_cpu_blocks,
+            max_inflight_bytes=self.max_inflight_bytes or every_lane_full,
             batch_blocks=batch_blocks,
             chunk_blocks=chunk_blocks,
         )

@@ -89,6 +89,8 @@ class SecondaryTierManager(AsyncResource):
         self._idle: asyncio.Event | None = None
         # Per direction: calls in flight, and when the current busy period began.
         self._busy: dict[str, list[float]] = {"store": [0, 0.0], "load": [0, 0.0]}
+        #: Keys being written by a store in flight, with the outcome its sharers wait for.
+        self._writing: dict[bytes, asyncio.Future[bool]] = {}
         self.busy_seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
 
     # -- the backend's part ----------------------------------------------------------------
@@ -151,6 +153,9 @@ class SecondaryTierManager(AsyncResource):
         True for each block the tier now holds. Blocks beyond the tier's
         pending-store budget are dropped at once (False, counted in
         `stores_dropped`); backend faults are False too, counted in `errors`.
+        A key the tier already holds, or is writing for another call right now,
+        is not written again (`stores_deduplicated`); a sharer gets the outcome
+        of the write in flight.
         """
         keys, ids = self._check_args(keys, block_ids)
         results = [False] * len(keys)
@@ -161,29 +166,68 @@ class SecondaryTierManager(AsyncResource):
             accepted = lane.reserve_pending(len(keys))
             self.counters["store_calls"] += 1
             self.counters["stores_dropped"] += len(keys) - accepted
-            opened = False
+            # Single flight: a key this tier is writing right now is not written again;
+            # this call shares the outcome of the write in flight.
+            shared = {i: self._writing[keys[i]] for i in range(accepted) if keys[i] in self._writing}
+            lane.release_pending(len(shared))
+            own = [i for i in range(accepted) if i not in shared]
+            loop = asyncio.get_running_loop()
+            outcomes = {keys[i]: loop.create_future() for i in own}
+            self._writing.update(outcomes)
             try:
-                opened = await self._ensure_open()
+                written = await self._write_new(lane, [keys[i] for i in own], [ids[i] for i in own])
+                for i, ok in zip(own, written):
+                    results[i] = ok
             finally:
-                if not opened:
-                    lane.release_pending(accepted)
-            if not opened:
-                self.counters["store_failed_blocks"] += accepted
+                for i in own:
+                    outcome = outcomes[keys[i]]
+                    outcome.set_result(results[i])
+                    del self._writing[keys[i]]
+            if shared:
+                await asyncio.wait(set(shared.values()))
+                for i, outcome in shared.items():
+                    results[i] = outcome.result()
+                self.counters["stores_deduplicated"] += len(shared)
+        return results
+
+    async def _write_new(self, lane: Lane, keys: list[bytes], ids: list[int]) -> list[bool]:
+        """Write the keys this call owns (their pending room reserved); held ones are skipped."""
+        results = [False] * len(keys)
+        reserved = len(keys)
+        try:
+            if not keys:
                 return results
+            if not await self._ensure_open():
+                self.counters["store_failed_blocks"] += len(keys)
+                return results
+            held = await self._guarded("contains", self.contains(keys), len(keys))
+            todo = [i for i, h in enumerate(held) if not h]
+            lane.release_pending(len(keys) - len(todo))
+            reserved = len(todo)
+            self.counters["stores_deduplicated"] += len(keys) - len(todo)
+            for i, h in enumerate(held):
+                results[i] = h  # already held: no second write
+            written = [False] * len(todo)
+            reserved = 0  # from here _run_batches gives the room back, batch by batch
             await self._run_batches(
                 lane,
                 Priority.STORE,
                 self.write_blocks,
-                keys[:accepted],
-                ids[:accepted],
-                results,
+                [keys[i] for i in todo],
+                [ids[i] for i in todo],
+                written,
                 pending=True,
             )
-            stored = sum(results)
+            for i, ok in zip(todo, written):
+                results[i] = ok
+            stored = sum(written)
             self.counters["stored_blocks"] += stored
             self.counters["stored_bytes"] += stored * self.block_nbytes
-            self.counters["store_failed_blocks"] += accepted - stored
-        return results
+            self.counters["store_failed_blocks"] += len(todo) - stored
+            return results
+        finally:
+            if reserved:
+                lane.release_pending(reserved)
 
     async def load(
         self,
@@ -271,6 +315,7 @@ class SecondaryTierManager(AsyncResource):
             "stored_bytes",
             "store_failed_blocks",
             "stores_dropped",
+            "stores_deduplicated",
             "load_calls",
             "load_hits",
             "load_misses",
@@ -389,9 +434,10 @@ class SecondaryTierManager(AsyncResource):
                     if pending:
                         lane.release_pending(n)
                         admitted = True
-                    views = [self.block_view(i) for i in ids[start : start + batch]]
-                    what = hook.__name__
-                    results[start : start + n] = await self._guarded(what, hook(part_keys, views), n)
+                    async with self.scheduler.bytes_in_flight.place(priority, n * self.block_nbytes):
+                        views = [self.block_view(i) for i in ids[start : start + batch]]
+                        what = hook.__name__
+                        results[start : start + n] = await self._guarded(what, hook(part_keys, views), n)
             finally:
                 if pending and not admitted:
                     lane.release_pending(n)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 from kvtier_async.tiers.memory import MemoryTier
 
@@ -46,3 +47,62 @@ class FlakyOpenTier(MemoryTier):
         self.open_attempts += 1
         if self.open_attempts == 1:
             raise OSError("connection refused")
+
+
+class ProbeTier(MemoryTier):
+    """A memory tier that records what the scheduler lets through and can hold it at gates.
+
+    Tests load it through `module_path`, as users load their own tiers. Each
+    hook call waits at its direction's gate (open unless a test clears it) and
+    records how many calls of that direction run at once and how often each
+    key was read and written. `changed` is set whenever any of that changes, so
+    a test can wait for a state (`until`) instead of sleeping.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.gates = {"read": asyncio.Event(), "write": asyncio.Event()}
+        for gate in self.gates.values():
+            gate.set()
+        self.running = {"read": 0, "write": 0}
+        self.max_running = {"read": 0, "write": 0}
+        self.held = {"read": 0, "write": 0}  # calls waiting at a gate now
+        self.key_reads: Counter[bytes] = Counter()
+        self.key_writes: Counter[bytes] = Counter()
+        self.changed = asyncio.Event()
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            self.changed.clear()
+            await self.changed.wait()
+
+    async def _through_gate(self, direction: str, keys: Sequence[bytes]) -> None:
+        counter = self.key_reads if direction == "read" else self.key_writes
+        counter.update(keys)
+        self.running[direction] += 1
+        self.max_running[direction] = max(self.max_running[direction], self.running[direction])
+        self.held[direction] += 1
+        self.changed.set()
+        try:
+            await self.gates[direction].wait()
+        finally:
+            self.held[direction] -= 1
+            self.changed.set()
+
+    def _done(self, direction: str) -> None:
+        self.running[direction] -= 1
+        self.changed.set()
+
+    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        try:
+            await self._through_gate("read", keys)
+            return await super().read_blocks(keys, blocks)
+        finally:
+            self._done("read")
+
+    async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        try:
+            await self._through_gate("write", keys)
+            return await super().write_blocks(keys, blocks)
+        finally:
+            self._done("write")

@@ -99,3 +99,44 @@ async def test_wait_uncancellable_outlives_a_cancel() -> None:
     inner.set_result(3)
     with pytest.raises(asyncio.CancelledError):
         await outer
+
+
+def test_amounts_fit_under_the_capacity_and_an_oversize_one_goes_alone() -> None:
+    budget = Lane("bytes", 10)
+    assert budget.try_admit(6)
+    assert not budget.try_admit(5)
+    assert budget.try_admit(4)
+    budget.release(6)
+    budget.release(4)
+    assert budget.try_admit(25)  # larger than the whole budget, but nothing else is in flight
+    assert not budget.try_admit(1)
+    budget.release(25)
+    assert budget.inflight == 0 and budget.max_inflight_seen == 25
+
+
+@pytest.mark.asyncio
+async def test_the_best_waiter_is_not_overtaken_by_a_smaller_one() -> None:
+    budget = Lane("bytes", 10)
+    await budget.acquire(Priority.LOAD, 8)
+    big = asyncio.ensure_future(budget.acquire(Priority.LOAD, 6))
+    small = asyncio.ensure_future(budget.acquire(Priority.STORE, 2))
+    await asyncio.sleep(0)
+    assert not big.done() and not small.done()  # 2 would fit, but the load is ahead
+    budget.release(8)
+    await big
+    await small
+    assert budget.inflight == 8
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_head_lets_the_waiters_behind_it_in() -> None:
+    budget = Lane("bytes", 10)
+    await budget.acquire(Priority.LOAD, 8)
+    big = asyncio.ensure_future(budget.acquire(Priority.LOAD, 6))
+    small = asyncio.ensure_future(budget.acquire(Priority.STORE, 2))
+    await asyncio.sleep(0)
+    big.cancel()
+    await small  # fits beside the 8 once the head is gone
+    assert budget.inflight == 10 and budget.stats()["queued"] == 0
+    with pytest.raises(asyncio.CancelledError):
+        await big
