@@ -59,3 +59,22 @@ def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
     lag = tmp_path / "lag.json"
     bench("loop_lag.py", "--gib", "0.02", "--dir", tmp_path, "--json", lag)
     assert set(json.loads(lag.read_text())) == {"idle", "store", "load"}
+
+
+def test_contention_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    bench(
+        "contention.py",
+        "--block-kib",
+        "64",
+        "--store-batches",
+        "2",
+        "--loads",
+        "4",
+        "--dir",
+        tmp_path,
+        "--json",
+        out,
+    )
+    summary = json.loads(out.read_text())
+    assert summary["scheduler"]["load_p50_ms"] > 0 and summary["gather"]["dropped_blocks"] == 0
