@@ -192,3 +192,23 @@ async def test_one_read_per_key_for_100_concurrent_loads_of_one_prefix() -> None
         for r in range(100):
             if r % 3:
                 assert torch.equal(layers[0][16 + 8 * r : 24 + 8 * r], expected)
+
+
+@pytest.mark.asyncio
+async def test_the_defaults_admit_a_whole_primary_tier_of_stores_on_an_idle_tier() -> None:
+    # 512 blocks of 64 KiB in batches of 256: one batch in flight (2 threads), one pending.
+    spec = kt.OffloadingSpec(block_nbytes=64 << 10, num_cpu_blocks=512, io_threads=2)
+    assert spec.limits.max_inflight_stores == 1 and spec.limits.batch_blocks == 256
+    primary = bytearray(spec.primary_nbytes)
+    tier = kt.SecondaryTierFactory.create_secondary_tier(
+        {"type": "ProbeTier", "module_path": "probe_tier"}, memoryview(primary), spec
+    )
+    assert isinstance(tier, probe_tier.ProbeTier)
+    async with tier:
+        tier.gates["write"].clear()  # nothing is written until every block has been offered
+        store = asyncio.ensure_future(tier.store(keys(512), list(range(512))))
+        await tier.until(lambda: tier.held["write"] == 1)
+        assert tier.stats()["lanes"]["store"]["pending_blocks"] == 256
+        tier.gates["write"].set()
+        assert await store == [True] * 512
+        assert tier.stats()["stores_dropped"] == 0
