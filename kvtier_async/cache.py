@@ -522,8 +522,8 @@ class TieredKVCache(AsyncResource):
             out[name] = self.counters[name]
         out["background_stores"] = len(self._background)
         out["limits"] = asdict(self.limits)
+        out["tiers"] = {tier.name: tier.stats() for tier in self.tiers}  # makes every tier's lanes
         out["scheduler"] = self.scheduler.stats()
-        out["tiers"] = {tier.name: tier.stats() for tier in self.tiers}
         return out
 
     async def aclose(self) -> None:
