@@ -32,6 +32,8 @@ from .keys import MAX_KEY_BYTES
 __all__ = [
     "HEADER_BYTES",
     "CorruptBlockError",
+    "decode_block",
+    "encode_block",
     "namespace_id",
     "pack_header",
     "payload_checksum",
@@ -89,3 +91,32 @@ def verify_header(header: memoryview | bytes, *, namespace: bytes, key: bytes, p
     if got_namespace != namespace or got_key != key or got_len != payload_len:
         raise CorruptBlockError("header names another namespace, key or length")
     return checksum
+
+
+def encode_block(payload: memoryview | bytes, *, namespace: bytes, key: bytes) -> bytearray:
+    """Header and payload as one value, for tiers that store a block under a name."""
+    value = bytearray(HEADER_BYTES + len(payload))
+    view = memoryview(value)
+    view[HEADER_BYTES:] = payload
+    checksum = payload_checksum(view[HEADER_BYTES:])
+    pack_header(
+        view[:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(payload), checksum=checksum
+    )
+    return value
+
+
+def decode_block(
+    value: bytes | bytearray | memoryview | None, into: memoryview, *, namespace: bytes, key: bytes
+) -> bool:
+    """Copy the payload of a stored value into `into` if every check passes; False otherwise."""
+    if value is None or len(value) != HEADER_BYTES + len(into):
+        return False
+    view = memoryview(value)
+    try:
+        checksum = verify_header(view[:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(into))
+    except CorruptBlockError:
+        return False
+    if payload_checksum(view[HEADER_BYTES:]) != checksum:
+        return False
+    into[:] = view[HEADER_BYTES:]
+    return True
