@@ -116,3 +116,4 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 SecondaryTierFactory.register_tier("memory", "kvtier_async.tiers.memory", "MemoryTier")
 SecondaryTierFactory.register_tier("fs", "kvtier_async.tiers.fs", "FileSystemTier")
 SecondaryTierFactory.register_tier("redis", "kvtier_async.tiers.redis_tier", "RedisTier")
+SecondaryTierFactory.register_tier("s3", "kvtier_async.tiers.object_store", "ObjectStoreTier")

@@ -1,4 +1,4 @@
-"""Real servers for the tests, on loopback and free ports: standalone Redis and a Redis Cluster.
+"""Real servers for the tests, on loopback and free ports: Redis (standalone and Cluster), S3 (moto).
 
 Each is a `redis-server` process in a temporary directory, stopped afterwards.
 Tests that need one are skipped with a clear reason where `redis-server` is
@@ -13,7 +13,9 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,52 @@ class RedisCluster:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+class S3Server:
+    """moto in server mode: a real HTTP endpoint speaking the S3 wire protocol, in memory.
+
+    `stop()` kills it (its buckets are gone with it); `start()` brings it back
+    on the same port, empty, as a restarted server may be.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.endpoint, timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"moto server on port {self.port} did not come up")
+
+    def create_bucket(self, name: str) -> None:
+        import boto3  # comes with moto
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing-key",
+            aws_secret_access_key="testing-secret-value",
+        )
+        client.create_bucket(Bucket=name)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None

@@ -1,0 +1,234 @@
+"""`ObjectStoreTier`: blocks as objects in an S3-compatible store (AWS S3, MinIO, Ceph RGW), via obstore.
+
+Each block is one object, `<prefix>/<namespace id hex>/<key hex>`, in the
+self-verifying block format (a 4096-byte header with checksums, then the
+payload); the namespace id (BLAKE2b-128 of the namespace, as in the fs tier)
+keeps any namespace string a safe path segment. A batch becomes concurrent
+PUT / GET / HEAD requests; checksums are computed and checked on worker
+threads. obstore retries with exponential backoff, and both the retries and a
+hard bound on each batch stay within `timeout_s`: a KV load must not wait
+minutes. A store that is down or slow makes stores return False and loads
+miss, counted in stats; the next call simply tries again.
+
+The tier keeps no record of what the bucket holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Awaitable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from ..block_format import decode_block, encode_block, namespace_id
+from ..errors import ConfigError
+from ..spec import OffloadingSpec
+from ..tier import SecondaryTierManager
+
+__all__ = ["ObjectStoreTier"]
+
+T = TypeVar("T")
+
+
+def _optional_str(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"s3 tier: {name} must be a non-empty str or None, got a {type(value).__name__}")
+
+
+class ObjectStoreTier(SecondaryTierManager):
+    """Blocks as objects in one bucket. Credentials not given fall back to the usual AWS
+    environment variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`...).
+
+    A `store` passed in (an `obstore.store.S3Store`, or any obstore store) is
+    used as it is; the tier then ignores the connection settings.
+    """
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str = "s3",
+        *,
+        bucket: str,
+        prefix: str = "",
+        endpoint: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        allow_http: bool = False,
+        timeout_s: float = 5.0,
+        max_retries: int = 3,
+        store: Any = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        if not isinstance(bucket, str) or not bucket:
+            raise ConfigError("s3 tier: bucket must be a non-empty str")
+        if not isinstance(prefix, str) or prefix.startswith("/") or "//" in prefix:
+            raise ConfigError("s3 tier: prefix must be a str like 'a/b' (no leading '/', no empty parts)")
+        for name, value in (
+            ("endpoint", endpoint),
+            ("region", region),
+            ("access_key_id", access_key_id),
+            ("secret_access_key", secret_access_key),
+        ):
+            _optional_str(name, value)
+        if (access_key_id is None) != (secret_access_key is None):
+            raise ConfigError("s3 tier: give both access_key_id and secret_access_key, or neither")
+        if not isinstance(allow_http, bool):
+            raise ConfigError(f"s3 tier: allow_http must be True or False, got {allow_http!r}")
+        if endpoint is not None and endpoint.startswith("http://") and not allow_http:
+            raise ConfigError("s3 tier: the endpoint is plain http://; set allow_http=True to allow it")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"s3 tier: timeout_s must be a number > 0, got {timeout_s!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ConfigError(f"s3 tier: max_retries must be an int >= 0, got {max_retries!r}")
+        self.bucket = bucket
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self._config = {
+            name: value
+            for name, value in (
+                ("endpoint", endpoint),
+                ("region", region),
+                ("access_key_id", access_key_id),
+                ("secret_access_key", secret_access_key),
+            )
+            if value is not None
+        }
+        self._allow_http = allow_http
+        self._max_retries = max_retries
+        self._store = store
+        self._namespace = namespace_id(offloading_spec.namespace)
+        parts = [p for p in prefix.strip("/").split("/") if p] + [self._namespace.hex()]
+        self._name_prefix = "/".join(parts) + "/"
+
+    def object_name(self, key: bytes) -> str:
+        """The object a block is stored as."""
+        return self._name_prefix + key.hex()
+
+    # -- opening ---------------------------------------------------------------------------------
+    async def open_backend(self) -> None:
+        if self._store is None:
+            # On a worker thread: building the store reads the environment and may read files.
+            self._store = await self.run_blocking(self._make_store)
+
+    def _make_store(self) -> Any:
+        from obstore.store import S3Store
+
+        config = dict(self._config)
+        if not {"region", "AWS_REGION", "AWS_DEFAULT_REGION"} & (set(config) | set(os.environ)):
+            config["region"] = "us-east-1"  # what S3-compatible servers expect when none is set
+        timeout = timedelta(seconds=self.timeout_s)
+        return S3Store(
+            self.bucket,
+            config=config,  # type: ignore[arg-type]
+            client_options={"allow_http": self._allow_http, "timeout": timeout, "connect_timeout": timeout},
+            retry_config={
+                "max_retries": self._max_retries,
+                "retry_timeout": timeout,
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=50),
+                    "max_backoff": timedelta(seconds=max(0.05, self.timeout_s / 4)),
+                    "base": 2,
+                },
+            },
+        )
+
+    # -- the hooks -------------------------------------------------------------------------------
+    async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        # docstring inherited
+        import obstore
+
+        await self._ready()
+        values = await self.run_blocking(self._encode, list(keys), list(blocks))
+        puts = [obstore.put_async(self._store, self.object_name(k), v) for k, v in zip(keys, values)]
+        replies = await self._bounded(asyncio.gather(*puts, return_exceptions=True))
+        self._count_failures(replies)
+        return [not isinstance(reply, BaseException) for reply in replies]
+
+    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        # docstring inherited
+        await self._ready()
+        gets = [self._get(k) for k in keys]
+        values = await self._bounded(asyncio.gather(*gets, return_exceptions=True))
+        self._count_failures(values)
+        found = [None if isinstance(value, BaseException) else value for value in values]
+        ok = await self.run_blocking(self._decode, list(keys), found, list(blocks))
+        self.counters["corrupt_blocks"] += sum(1 for v, good in zip(found, ok) if v is not None and not good)
+        return ok
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        # docstring inherited
+        await self._ready()
+        heads = [self._exists(k) for k in keys]
+        replies = await self._bounded(asyncio.gather(*heads, return_exceptions=True))
+        self._count_failures(replies)
+        return [reply is True for reply in replies]
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        # docstring inherited
+        import obstore
+
+        held = [key for key, present in zip(keys, await self.contains(keys)) if present]
+        if held:
+            await self._bounded(obstore.delete_async(self._store, [self.object_name(k) for k in held]))
+        return len(held)
+
+    def backend_stats(self) -> dict[str, Any]:
+        return {
+            "bucket": self.bucket,
+            "endpoint": self.endpoint,
+            "corrupt_blocks": self.counters["corrupt_blocks"],
+            "request_failures": self.counters["request_failures"],
+        }
+
+    # -- internals -------------------------------------------------------------------------------
+    async def _get(self, key: bytes) -> Any:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        try:
+            result = await obstore.get_async(self._store, self.object_name(key))
+            return await result.bytes_async()
+        except (NotFoundError, FileNotFoundError):
+            return None
+
+    async def _exists(self, key: bytes) -> bool:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        try:
+            await obstore.head_async(self._store, self.object_name(key))
+        except (NotFoundError, FileNotFoundError):
+            return False
+        return True
+
+    async def _ready(self) -> None:
+        """Open first (hooks may be called directly); the requests then find the store."""
+        if not await self._ensure_open():
+            raise ConnectionError(f"s3 tier {self.name!r}: the store could not be set up")
+
+    async def _bounded(self, call: Awaitable[T]) -> T:
+        # obstore's retries stop within timeout_s; this bounds a request that hangs anyway.
+        return await asyncio.wait_for(call, math.ceil(self.timeout_s * 1.5 * 100) / 100)
+
+    def _count_failures(self, replies: Sequence[object]) -> None:
+        """Count failed requests; if every one failed, the store is unreachable: raise (an error)."""
+        failed = [reply for reply in replies if isinstance(reply, BaseException)]
+        self.counters["request_failures"] += len(failed)
+        if failed and len(failed) == len(replies):
+            raise failed[0]
+
+    def _encode(self, keys: list[bytes], blocks: list[memoryview]) -> list[bytearray]:
+        """Worker thread: header and checksum for each block."""
+        return [encode_block(b, namespace=self._namespace, key=k) for k, b in zip(keys, blocks)]
+
+    def _decode(self, keys: list[bytes], values: list[Any], blocks: list[memoryview]) -> list[bool]:
+        """Worker thread: verify each object and copy its payload into its block."""
+        out = []
+        for key, value, block in zip(keys, values, blocks):
+            view = None if value is None else memoryview(value)
+            out.append(decode_block(view, block, namespace=self._namespace, key=key))
+        return out
