@@ -8,6 +8,7 @@ servers and sets it), where a missing one is an error: CI never skips them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import shutil
@@ -200,3 +201,27 @@ class S3Server:
             self.process.kill()
             self.process.wait()
             self.process = None
+
+
+class Blackhole:
+    """A TCP server that accepts connections and never answers: a server that is up but stuck."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> Blackhole:
+        self.server = await asyncio.start_server(self._swallow, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _swallow(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.read(65536):
+                pass
+        finally:
+            writer.close()
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()

@@ -210,3 +210,16 @@ async def test_two_processes_share_blocks_through_the_bucket(
         assert await cache.lookup(keys) == 12
         assert await cache.load(keys, list(range(20, 32))) == 12
     assert torch.equal(device[20:32], expected[:12])
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_server_is_a_miss_not_a_hang() -> None:
+    async with servers.Blackhole() as stuck:
+        endpoint = f"http://127.0.0.1:{stuck.port}"
+        tier_config = {"type": "s3", "bucket": "kvtier-test", "endpoint": endpoint, "allow_http": True}
+        tier, primary = make_tier({**tier_config, **CREDENTIALS, "timeout_s": 0.3, "max_retries": 1})
+        async with tier:
+            fill(primary, [0], seed=5)
+            assert await tier.store([make_key(0)], [0]) == [False]
+            assert await tier.load([make_key(0)], [1]) == [False]
+            assert tier.stats()["errors"] >= 2

@@ -257,3 +257,30 @@ async def test_two_processes_share_blocks_through_the_server(
     )
     async with kt.TieredKVCache(spec_other, device) as cache:
         assert await cache.lookup(other) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_server_is_a_miss_not_a_hang() -> None:
+    async with servers.Blackhole() as stuck:
+        tier, primary = make_tier(f"redis://127.0.0.1:{stuck.port}/0", timeout_s=0.3)
+        async with tier:
+            fill(primary, [0], seed=5)
+            assert await tier.store([make_key(0)], [0]) == [False]
+            assert await tier.load([make_key(0)], [1]) == [False]
+            assert tier.stats()["errors"] >= 2
+
+
+@pytest.mark.asyncio
+async def test_a_unix_socket_url(tmp_path: Path) -> None:
+    socket_path = tmp_path / "redis.sock"
+    server = servers.RedisServer(tmp_path / "redis", None, "--unixsocket", str(socket_path))
+    await asyncio.to_thread(server.start)
+    try:
+        tier, primary = make_tier(f"unix://{socket_path}")
+        async with tier:
+            payloads = fill(primary, [0, 1], seed=6)
+            assert await tier.store([make_key(0), make_key(1)], [0, 1]) == [True, True]
+            assert await tier.load([make_key(0), make_key(1)], [2, 3]) == [True, True]
+            assert [bytes(primary.slot_view(s)) for s in (2, 3)] == payloads
+    finally:
+        await asyncio.to_thread(server.stop)
