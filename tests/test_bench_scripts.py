@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import servers
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -78,3 +80,11 @@ def test_contention_bench_runs(tmp_path: Path) -> None:
     )
     summary = json.loads(out.read_text())
     assert summary["scheduler"]["load_p50_ms"] > 0 and summary["gather"]["dropped_blocks"] == 0
+
+
+@servers.needs_redis
+def test_remote_tiers_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "remote.json"
+    bench("remote_tiers.py", "--blocks", "4", "--block-kib", "64", "--json", out)
+    result = json.loads(out.read_text())
+    assert result["redis"]["tier_load_gbps"] > 0 and result["s3"]["raw_store_gbps"] > 0
