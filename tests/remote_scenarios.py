@@ -1,0 +1,119 @@
+"""Fault and sharing scenarios that every tier backed by a server must pass (Redis, S3)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvtier_async as kt
+from kvtier_async.testing import make_key
+
+
+def make_tier(tier_config: dict[str, Any]) -> tuple[Any, kt.PrimaryTier]:
+    spec = kt.OffloadingSpec(block_nbytes=8192 + 100, num_cpu_blocks=16, namespace="remote-tests")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    return kt.SecondaryTierFactory.create_secondary_tier(tier_config, primary.view, spec), primary
+
+
+def fill(primary: kt.PrimaryTier, slots: list[int], seed: int) -> list[bytes]:
+    """Seeded random bytes into `slots`; returns what each got."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for slot in slots:
+        data = bytes(torch.randint(0, 256, (primary.block_nbytes,), generator=g, dtype=torch.uint8).tolist())
+        primary.slot_view(slot)[:] = data
+        out.append(data)
+    return out
+
+
+async def killed_and_restarted(
+    tier_config: dict[str, Any], stop: Callable[[], Awaitable[None]], start: Callable[[], Awaitable[None]]
+) -> None:
+    """The server dies during a stream of stores and loads, then comes back empty on the same port:
+    nothing raises, the calls in between fail or miss (counted), and the same tier object works again."""
+    tier, primary = make_tier(tier_config)
+    async with tier:
+        keys = [make_key(i, b"k") for i in range(8)]
+        payloads = fill(primary, list(range(8)), seed=2)
+        assert await tier.store(keys, list(range(8))) == [True] * 8
+
+        async def traffic(n: int) -> None:  # a stream of stores and loads, none may raise
+            for i in range(n):
+                await tier.store([make_key(100 + i, b"s")], [i % 8])
+                await tier.load(keys[:2], [8, 9])
+
+        stream = asyncio.ensure_future(traffic(10))
+        await asyncio.sleep(0)  # under way
+        await stop()
+        await asyncio.wait_for(stream, 120)  # a hang guard only; every call is bounded by timeout_s
+        assert await tier.store([make_key(999)], [0]) == [False]
+        assert await tier.load(keys, list(range(8, 16))) == [False] * 8
+        assert tier.stats()["errors"] > 0
+        await start()  # the same port, and empty: a restarted server may have lost everything
+        assert await tier.load(keys[:1], [8]) == [False]
+        assert await tier.store(keys, list(range(8))) == [True] * 8
+        assert await tier.load(keys, list(range(8, 16))) == [True] * 8
+        assert [bytes(primary.slot_view(s)) for s in range(8, 16)] == payloads
+
+
+async def unreachable_is_a_counted_miss(tier_config: dict[str, Any]) -> dict[str, Any]:
+    """Against a server that is down or stuck: False and misses, no exception; returns the stats."""
+    tier, primary = make_tier(tier_config)
+    async with tier:
+        fill(primary, [0], seed=5)
+        assert await tier.store([make_key(0)], [0]) == [False]
+        assert await tier.load([make_key(0)], [1]) == [False]
+        stats: dict[str, Any] = tier.stats()
+    assert stats["errors"] >= 2
+    return stats
+
+
+SHARER = textwrap.dedent(
+    """
+    import asyncio, json, sys, torch
+    import kvtier_async as kt
+
+    async def main(tier_config):
+        device = torch.arange(32 * 1024, dtype=torch.int32).reshape(32, 1024) * 7 + 3
+        spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=16, namespace="shared",
+                                 secondary_tiers=[tier_config])
+        keys = kt.block_hashes(range(16 * 12), 16, namespace="shared")
+        async with kt.TieredKVCache(spec, device) as cache:
+            assert await cache.store(keys, list(range(12))) == 12
+            await cache.flush()
+            assert cache.stats()["tiers"][tier_config["type"]]["stored_blocks"] == 12
+
+    asyncio.run(main(json.loads(sys.argv[1])))
+    """
+)
+
+
+async def shared_between_processes(tier_config: dict[str, Any], work: Path) -> None:
+    """Another process stores through its own cache; this one loads the same bytes."""
+    script = work / "sharer.py"
+    await asyncio.to_thread(script.write_text, SHARER)
+    process = await asyncio.create_subprocess_exec(sys.executable, str(script), json.dumps(tier_config))
+    assert await process.wait() == 0
+    expected = torch.arange(32 * 1024, dtype=torch.int32).reshape(32, 1024) * 7 + 3
+    device = torch.zeros((32, 1024), dtype=torch.int32)
+
+    def spec_for(namespace: str) -> kt.OffloadingSpec:
+        return kt.OffloadingSpec(
+            block_nbytes=4096, num_cpu_blocks=16, namespace=namespace, secondary_tiers=[tier_config]
+        )
+
+    keys = kt.block_hashes(range(16 * 12), 16, namespace="shared")
+    async with kt.TieredKVCache(spec_for("shared"), device) as cache:
+        assert await cache.lookup(keys) == 12
+        assert await cache.load(keys, list(range(20, 32))) == 12
+    assert torch.equal(device[20:32], expected[:12])
+    other = kt.block_hashes(range(16 * 12), 16, namespace="other")
+    async with kt.TieredKVCache(spec_for("other"), device) as cache:
+        assert await cache.lookup(other) == 0  # another namespace sees none of it
