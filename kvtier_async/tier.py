@@ -34,6 +34,7 @@ with suppress(ImportError):
 
 from .errors import ClosedError, InvalidArgumentError
 from .keys import check_block_ids, check_keys, check_lengths
+from .latency import LatencyHistogram
 from .scheduler import Lane, Priority, Scheduler, wait_uncancellable
 from .spec import OffloadingSpec
 
@@ -92,6 +93,8 @@ class SecondaryTierManager(AsyncResource):
         #: Keys being written by a store in flight, with the outcome its sharers wait for.
         self._writing: dict[bytes, asyncio.Future[bool]] = {}
         self.busy_seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
+        #: Latency of each `store` / `load` call, whether or not metrics are exported.
+        self.latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
 
     # -- the backend's part ----------------------------------------------------------------
     @abc.abstractmethod
@@ -375,24 +378,27 @@ class SecondaryTierManager(AsyncResource):
 
     @contextmanager
     def _operation(self, direction: str | None = None) -> Iterator[None]:
-        """Counts operations in flight, so that `aclose` can wait for them, and busy time."""
+        """Counts operations in flight (so that `aclose` can wait for them), busy time and latency."""
         self._check_not_closed()
         if self._idle is None:
             self._idle = asyncio.Event()
         self._active += 1
         self._idle.clear()
         busy = self._busy[direction] if direction else None
+        started = time.perf_counter()
         if busy is not None:
             if busy[0] == 0:
-                busy[1] = time.perf_counter()
+                busy[1] = started
             busy[0] += 1
         try:
             yield
         finally:
             if busy is not None and direction is not None:
+                now = time.perf_counter()
+                self.latency[direction].observe(now - started)
                 busy[0] -= 1
                 if busy[0] == 0:
-                    self.busy_seconds[direction] += time.perf_counter() - busy[1]
+                    self.busy_seconds[direction] += now - busy[1]
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
