@@ -88,3 +88,9 @@ def test_remote_tiers_bench_runs(tmp_path: Path) -> None:
     bench("remote_tiers.py", "--blocks", "4", "--block-kib", "64", "--json", out)
     result = json.loads(out.read_text())
     assert result["redis"]["tier_load_gbps"] > 0 and result["s3"]["raw_store_gbps"] > 0
+
+
+def test_metrics_overhead_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    bench("metrics_overhead.py", "--calls", "50", "--repeat", "1", "--json", out)
+    assert json.loads(out.read_text())["ratio"] > 0
