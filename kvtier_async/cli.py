@@ -82,6 +82,29 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=defaults.seed)
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
+    bench = commands.add_parser(
+        "bench",
+        help="measure the configured tiers next to raw baselines from the same run",
+        description="Per tier and block size: store and cold-load GB/s, blocks/s and call latency "
+        "p50/p99, next to the same bytes moved by the plainest code for that backend in the same "
+        "run; per tier: the pipeline overlap through a cache and the event-loop lag.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench.add_argument(
+        "--tiers",
+        type=_tiers,
+        default=None,
+        help="tier configs, JSON text or a JSON file (default: a file-system tier in a temporary directory)",
+    )
+    bench.add_argument("--block-kib", type=int, nargs="+", default=[2048, 64], help="block sizes in KiB")
+    bench.add_argument("--mib", type=int, default=256, help="MiB moved per tier and block size")
+    bench.add_argument("--request-blocks", type=int, default=8, help="blocks per store / load call")
+    bench.add_argument("--dir", type=Path, default=None, help="where temporary files go")
+    bench.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    bench.add_argument(
+        "--plot", type=Path, default=None, help="save a throughput chart (PNG; needs matplotlib)"
+    )
+    bench.add_argument("--no-progress", action="store_true")
     fs = commands.add_parser("fs", help="inspect and maintain a file-system tier root")
     fs_commands = fs.add_subparsers(dest="fs_command", required=True)
     stat = fs_commands.add_parser("stat", help="namespaces, blocks and bytes under ROOT")
@@ -147,6 +170,36 @@ def _fs_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(args: argparse.Namespace) -> int:
+    from .benchmark import BenchConfig, format_table, run_bench, save_plot
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvtier bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+    config = BenchConfig(
+        secondary_tiers=args.tiers,
+        block_kib=args.block_kib,
+        mib_per_case=args.mib,
+        request_blocks=args.request_blocks,
+        directory=args.dir,
+        progress=not args.no_progress,
+    )
+    try:
+        result = _run(run_bench(config))
+    except (KVTierError, ValueError, OSError) as exc:
+        print(f"kvtier bench: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.plot is not None:
+        save_plot(result, args.plot)
+    return 0 if all(case["exact"] for case in result["cases"]) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
@@ -172,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(format_report(report, config))
         return 0 if report.mismatches == 0 else 1
+    if args.command == "bench":
+        return _bench_command(args)
     try:
         return _fs_command(args)
     except (KVTierError, OSError) as exc:

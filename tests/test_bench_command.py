@@ -1,0 +1,47 @@
+"""`kvtier bench` end to end at a tiny size: the table, valid JSON with the documented fields, a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier_async.cli import main
+
+RATES = {"gbps", "blocks_per_s", "p50_ms", "p99_ms", "seconds"}
+
+
+def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    tiers = json.dumps([{"type": "fs"}, {"type": "memory"}])
+    argv = ["bench", "--tiers", tiers, "--block-kib", "64", "16", "--mib", "1", "--request-blocks", "4"]
+    argv += ["--dir", str(tmp_path), "--json", str(out), "--plot", str(plot), "--no-progress"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "store GB/s" in table and "pipeline" in table and "event-loop lag" in table
+    result = json.loads(out.read_text())
+    assert set(result) == {"config", "cases", "pipelines"}
+    assert result["config"]["block_kib"] == [64, 16] and result["config"]["request_blocks"] == 4
+    assert [(c["tier"], c["block_kib"]) for c in result["cases"]] == [
+        ("fs#0", 64),
+        ("fs#0", 16),
+        ("memory#1", 64),
+        ("memory#1", 16),
+    ]
+    for case in result["cases"]:
+        assert case["exact"] is True and case["load_hits"] == case["blocks"] == case["stored_blocks"]
+        assert set(case["store"]) == set(case["load"]) == RATES
+        assert set(case["loop_lag"]) == {"p50_ms", "p99_ms", "max_ms"}
+        assert set(case["baseline"]) == {"what", "store", "load"}
+        assert case["store_ratio"] == pytest.approx(case["store"]["gbps"] / case["baseline"]["store"]["gbps"])
+        assert case["load_ratio"] > 0
+    for pipe in result["pipelines"]:
+        assert {"store_ratio", "load_ratio", "store_copy_s", "load_io_s", "store_pipeline_s"} <= set(pipe)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any(tmp_path.glob("kvtier-bench-*")), "temporary files left behind"
+
+
+def test_bench_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--mib", "0", "--no-progress"]) == 2
+    assert "sizes must be positive" in capsys.readouterr().err
