@@ -46,7 +46,15 @@ from .primary import PrimaryTier
 from .spec import OffloadingSpec
 from .tier import SecondaryTierManager
 
-__all__ = ["BenchConfig", "format_table", "run_bench", "save_plot"]
+__all__ = [
+    "BenchConfig",
+    "LoopLag",
+    "drop_page_cache",
+    "format_table",
+    "percentile",
+    "run_bench",
+    "save_plot",
+]
 
 GB = 1e9
 LAYERS = 8  # the stand-in device memory of the pipeline measurement
@@ -63,7 +71,8 @@ class BenchConfig:
     progress: bool = True
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The value at quantile `q` (0..1) of `values`; 0 for none."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
@@ -72,8 +81,8 @@ def _rates(nbytes: int, blocks: int, seconds: float, latencies: list[float]) -> 
     return {
         "gbps": nbytes / seconds / GB,
         "blocks_per_s": blocks / seconds,
-        "p50_ms": _percentile(latencies, 0.50) * 1e3,
-        "p99_ms": _percentile(latencies, 0.99) * 1e3,
+        "p50_ms": percentile(latencies, 0.50) * 1e3,
+        "p99_ms": percentile(latencies, 0.99) * 1e3,
         "seconds": seconds,
     }
 
@@ -114,12 +123,27 @@ def drop_page_cache(directory: Path) -> None:
 
 
 class LoopLag:
-    """A 1 ms ticker: how late each wake-up of the event loop comes."""
+    """A 1 ms ticker: how late each wake-up of the event loop comes.
+
+    It also times the garbage collector's full (generation 2) collections in
+    the same window: with torch imported one takes ~150 ms on a small VM, and
+    it stops every thread that wants the GIL, the event loop included.
+    """
 
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.lags: list[float] = []
+        self.full_gc_pauses: list[float] = []
+        self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.full_gc_pauses.append(time.perf_counter() - self._gc_started)
 
     async def _tick(self) -> None:
         while True:
@@ -128,18 +152,23 @@ class LoopLag:
             self.lags.append(max(0.0, time.perf_counter() - started - self.period))
 
     def __enter__(self) -> LoopLag:
+        gc.callbacks.append(self._on_gc)
         self._task = asyncio.ensure_future(self._tick())
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
+        gc.callbacks.remove(self._on_gc)
 
     def summary(self) -> dict[str, float]:
         return {
-            "p50_ms": _percentile(self.lags, 0.50) * 1e3,
-            "p99_ms": _percentile(self.lags, 0.99) * 1e3,
+            "p50_ms": percentile(self.lags, 0.50) * 1e3,
+            "p99_ms": percentile(self.lags, 0.99) * 1e3,
             "max_ms": max(self.lags, default=0.0) * 1e3,
+            "ticks": float(len(self.lags)),
+            "full_gcs": float(len(self.full_gc_pauses)),
+            "full_gc_max_ms": max(self.full_gc_pauses, default=0.0) * 1e3,
         }
 
 
