@@ -25,8 +25,10 @@ import gc
 import mmap
 import os
 import shutil
+import statistics
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
@@ -67,8 +69,22 @@ class BenchConfig:
     block_kib: list[int] = field(default_factory=lambda: [2048, 64])
     mib_per_case: int = 256
     request_blocks: int = 8
+    #: Rounds per case (tier and baseline interleaved); numbers are their medians.
+    repeat: int = 1
     directory: Path | None = None
     progress: bool = True
+
+
+def median_tree(runs: list[Any]) -> Any:
+    """Runs of the same nested shape, merged: numbers by median, flags by all(), text from the first."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {key: median_tree([run[key] for run in runs]) for key in first}
+    if isinstance(first, bool):
+        return all(runs)
+    if isinstance(first, (int, float)):
+        return statistics.median(runs)
+    return first
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -194,6 +210,7 @@ async def _measure_tier(
             load_s, load_lat = await _requests([partial(tier.load, [keys[i] for i in g], g) for g in groups])
         stats = tier.stats()
         exact = bool(torch.equal(primary.buffer, expected))
+        await tier.delete(keys)  # a shared tier keeps nothing of the benchmark
     nbytes = blocks * block_nbytes
     return {
         "store": _rates(nbytes, blocks, store_s, store_lat),
@@ -383,7 +400,8 @@ async def _measure_pipeline(
             await _forget_cached_pages(tier)
             out["load_io_s"], _ = await _requests([lambda: tier.load(keys, slots)])  # type: ignore[arg-type]
             await tier.delete(keys)
-    async with TieredKVCache(spec([config], max(8, blocks // 2)), layers) as cache:
+    primary_blocks = max(8, blocks // 2)  # the work proceeds in chunks through a smaller primary
+    async with TieredKVCache(spec([config], primary_blocks), layers) as cache:
         await cache.lookup(keys[:1])
 
         async def store() -> None:
@@ -391,10 +409,19 @@ async def _measure_pipeline(
             await cache.flush()
 
         out["store_pipeline_s"], _ = await _requests([store])
-    async with TieredKVCache(spec([config], max(8, blocks // 2)), layers) as cache:
-        await cache.lookup(keys[:1])
+        # Other blocks push every one of ours out of the primary tier: the load is cold.
+        others = block_hashes(range(10**9, 10**9 + 16 * primary_blocks), 16, namespace=f"filler-{tag}")
+        await cache.store(others, ids[:primary_blocks])
+        await cache.flush()
         await _forget_cached_pages(cache.tiers[0])
-        out["load_pipeline_s"], _ = await _requests([lambda: cache.load(keys, ids)])
+        loaded: list[int] = []
+
+        async def load() -> None:
+            loaded.append(await cache.load(keys, ids))
+
+        out["load_pipeline_s"], _ = await _requests([load])
+        out["loaded_blocks"] = float(loaded[0])
+        await cache.tiers[0].delete(keys + others)  # a shared tier keeps nothing of the benchmark
     out["store_ratio"] = out["store_pipeline_s"] / max(out["store_copy_s"], out["store_io_s"])
     out["load_ratio"] = out["load_pipeline_s"] / max(out["load_copy_s"], out["load_io_s"])
     return out
@@ -402,8 +429,8 @@ async def _measure_pipeline(
 
 # -- the whole run --------------------------------------------------------------------------------
 async def run_bench(config: BenchConfig) -> dict[str, Any]:
-    """Every case, as plain data: {"config": ..., "cases": [...], "pipelines": [...]}."""
-    if config.request_blocks < 1 or config.mib_per_case < 1 or not config.block_kib:
+    """Every case, as plain data: {"config", "idle_loop_lag", "cases", "pipelines"}."""
+    if min(config.request_blocks, config.mib_per_case, config.repeat, *config.block_kib, 1) < 1:
         raise ConfigError("kvtier bench: sizes must be positive")
     gc.collect()
     gc.freeze()  # as a serving process should: full collections then skip the start-up heap
@@ -412,31 +439,36 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         stack.push_async_callback(asyncio.to_thread, shutil.rmtree, work, True)
         tiers = config.secondary_tiers or [{"type": "fs"}]
         tiers = [_with_root(tier, work / f"tier{n}") for n, tier in enumerate(tiers)]
-        steps = len(tiers) * (2 * len(config.block_kib) + 1)
+        steps = len(tiers) * (2 * len(config.block_kib) + 1) * config.repeat
         bar = tqdm(total=steps, desc="kvtier bench", unit="step", disable=not config.progress)
         stack.callback(bar.close)
+        with LoopLag() as idle:  # the lag of this loop with nothing to do: the baseline for the rest
+            await asyncio.sleep(0.5)
         cases, pipelines = [], []
+        run_id = uuid.uuid4().hex[:8]  # fresh names: a shared tier may hold an earlier run's blocks
         for n, tier_config in enumerate(tiers):
             name = tier_config["type"] if len(tiers) == 1 else f"{tier_config['type']}#{n}"
             for kib in config.block_kib:
                 block = kib * 1024
                 blocks = max(config.request_blocks, config.mib_per_case * (1 << 20) // block)
                 bar.set_postfix_str(f"{name} {kib} KiB")
-                measured = await _measure_tier(
-                    tier_config, block, blocks, config.request_blocks, f"{n}-{kib}"
-                )
-                bar.update()
-                baseline = await _baseline(
-                    tier_config, block, blocks, config.request_blocks, work / f"raw{n}-{kib}"
-                )
-                bar.update()
-                case = {
-                    "tier": name,
-                    "type": tier_config["type"],
-                    "block_kib": kib,
-                    "blocks": blocks,
-                    **measured,
-                }
+                measured_runs, baseline_runs = [], []
+                for r in range(config.repeat):  # interleaved, so drifts hit both alike
+                    tag = f"{run_id}-{n}-{kib}-{r}"
+                    measured_runs.append(
+                        await _measure_tier(tier_config, block, blocks, config.request_blocks, tag)
+                    )
+                    bar.update()
+                    baseline_runs.append(
+                        await _baseline(
+                            tier_config, block, blocks, config.request_blocks, work / f"raw-{tag}"
+                        )
+                    )
+                    bar.update()
+                measured = median_tree(measured_runs)
+                baseline = None if baseline_runs[0] is None else median_tree(baseline_runs)
+                case = {"tier": name, "type": tier_config["type"], "block_kib": kib, "blocks": blocks}
+                case.update(measured)
                 case["baseline"] = baseline
                 if baseline is not None:
                     case["store_ratio"] = measured["store"]["gbps"] / baseline["store"]["gbps"]
@@ -445,17 +477,22 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
             block = max(config.block_kib) * 1024
             blocks = max(16, config.mib_per_case * (1 << 20) // block)
             bar.set_postfix_str(f"{name} pipeline")
-            pipeline = await _measure_pipeline(tier_config, block, blocks, str(n))
+            pipeline_runs = []
+            for r in range(config.repeat):
+                pipeline_runs.append(await _measure_pipeline(tier_config, block, blocks, f"{run_id}-{n}-{r}"))
+                bar.update()
+            pipeline = median_tree(pipeline_runs)
             pipelines.append({"tier": name, "block_kib": max(config.block_kib), "blocks": blocks, **pipeline})
-            bar.update()
     return {
         "config": {
             "tiers": [_redacted(t) for t in tiers],
             "block_kib": config.block_kib,
             "mib_per_case": config.mib_per_case,
             "request_blocks": config.request_blocks,
+            "repeat": config.repeat,
             "cpus": os.cpu_count(),
         },
+        "idle_loop_lag": idle.summary(),
         "cases": cases,
         "pipelines": pipelines,
     }
@@ -501,6 +538,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"{ld['p50_ms']:7.1f}/{ld['p99_ms']:<8.1f} | {case['exact']}"
         )
     lines.append("")
+    idle = result["idle_loop_lag"]
+    lines.append(
+        f"idle event loop (baseline): lag p50 {idle['p50_ms']:.2f} ms, p99 {idle['p99_ms']:.2f} ms, "
+        f"max {idle['max_ms']:.2f} ms"
+    )
     for case in result["cases"]:
         if case["block_kib"] == max(result["config"]["block_kib"]):
             lag = case["loop_lag"]

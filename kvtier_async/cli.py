@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--block-kib", type=int, nargs="+", default=[2048, 64], help="block sizes in KiB")
     bench.add_argument("--mib", type=int, default=256, help="MiB moved per tier and block size")
     bench.add_argument("--request-blocks", type=int, default=8, help="blocks per store / load call")
+    bench.add_argument("--repeat", type=int, default=1, help="interleaved rounds per case; medians shown")
     bench.add_argument("--dir", type=Path, default=None, help="where temporary files go")
     bench.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     bench.add_argument(
@@ -184,6 +185,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         block_kib=args.block_kib,
         mib_per_case=args.mib,
         request_blocks=args.request_blocks,
+        repeat=args.repeat,
         directory=args.dir,
         progress=not args.no_progress,
     )

@@ -16,13 +16,16 @@ def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixt
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     tiers = json.dumps([{"type": "fs"}, {"type": "memory"}])
     argv = ["bench", "--tiers", tiers, "--block-kib", "64", "16", "--mib", "1", "--request-blocks", "4"]
+    argv += ["--repeat", "2"]
     argv += ["--dir", str(tmp_path), "--json", str(out), "--plot", str(plot), "--no-progress"]
     assert main(argv) == 0
     table = capsys.readouterr().out
-    assert "store GB/s" in table and "pipeline" in table and "event-loop lag" in table
+    assert "store GB/s" in table and "pipeline" in table and "event-loop lag" in table and "idle" in table
     result = json.loads(out.read_text())
-    assert set(result) == {"config", "cases", "pipelines"}
+    assert set(result) == {"config", "idle_loop_lag", "cases", "pipelines"}
+    assert result["idle_loop_lag"]["ticks"] > 0
     assert result["config"]["block_kib"] == [64, 16] and result["config"]["request_blocks"] == 4
+    assert result["config"]["repeat"] == 2
     assert [(c["tier"], c["block_kib"]) for c in result["cases"]] == [
         ("fs#0", 64),
         ("fs#0", 16),
