@@ -556,10 +556,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"store {pipe['store_ratio']:.2f}x, load {pipe['load_ratio']:.2f}x the slower of copy-only "
             f"and I/O-only (1.00 = full overlap)"
         )
+    described = set()
     for case in result["cases"]:
-        if case["baseline"]:
-            lines.append(f"baseline for {case['tier']}: {case['baseline']['what']}")
-            break
+        if case["tier"] not in described:
+            described.add(case["tier"])
+            what = case["baseline"]["what"] if case["baseline"] else "none for this type"
+            lines.append(f"baseline for {case['tier']}: {what}")
     return "\n".join(lines)
 
 
