@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -159,6 +160,54 @@ class OffloadingSpec:
             batch_blocks=batch_blocks,
             chunk_blocks=chunk_blocks,
         )
+
+    @classmethod
+    def from_vllm(cls, vllm_spec: Any) -> OffloadingSpec:
+        """Build a spec from a vLLM `OffloadingSpec`-like object, duck-typed; it is kept in `vllm_config`.
+
+        Read, first found wins: bytes per block (`block_nbytes`, `bytes_per_block`,
+        or the same keys in `extra_config`), primary capacity (`num_cpu_blocks`,
+        or `extra_config["num_cpu_blocks"]` / `["cpu_bytes_to_use"]`), tokens per
+        block (`offloaded_block_size`, `block_size`, `gpu_block_size`). Our own
+        fields (`secondary_tiers`, `namespace`, the scheduler limits) may sit in
+        `extra_config`; the namespace defaults to the served model's name, so
+        caches of different models never mix.
+        """
+        extra = dict(getattr(vllm_spec, "extra_config", None) or {})
+
+        def first(*names: str) -> Any:
+            for name in names:
+                value = getattr(vllm_spec, name, None)
+                if value is None:
+                    value = extra.get(name)
+                if value is not None:
+                    return value
+            return None
+
+        data: dict[str, Any] = {k: v for k, v in extra.items() if k in {f.name for f in fields(cls)}}
+        data.pop("vllm_config", None)
+        block_nbytes = first("block_nbytes", "bytes_per_block")
+        if block_nbytes is None:
+            raise ConfigError("from_vllm: the spec tells no bytes per block (block_nbytes / bytes_per_block)")
+        data["block_nbytes"] = block_nbytes
+        num_cpu_blocks = first("num_cpu_blocks")
+        if num_cpu_blocks is not None:
+            data["num_cpu_blocks"] = num_cpu_blocks
+        elif extra.get("cpu_bytes_to_use") is not None:
+            data["cpu_bytes_to_use"] = extra["cpu_bytes_to_use"]
+        else:
+            raise ConfigError("from_vllm: no num_cpu_blocks, nor extra_config['cpu_bytes_to_use']")
+        block_size = first("offloaded_block_size", "block_size", "gpu_block_size")
+        if block_size is not None:
+            data["block_size"] = block_size
+        if "namespace" not in data:
+            model_config = getattr(getattr(vllm_spec, "vllm_config", None), "model_config", None)
+            model = getattr(model_config, "model", None)
+            if isinstance(model, str) and model:
+                data["namespace"] = model[-255:]
+        data["extra_config"] = extra
+        spec = cls.from_dict(data)
+        return dataclasses.replace(spec, vllm_config=vllm_spec)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> OffloadingSpec:
