@@ -206,7 +206,6 @@ class SecondaryTierManager(AsyncResource):
             held = await self._guarded("contains", self.contains(keys), len(keys))
             todo = [i for i, h in enumerate(held) if not h]
             lane.release_pending(len(keys) - len(todo))
-            reserved = len(todo)
             self.counters["stores_deduplicated"] += len(keys) - len(todo)
             for i, h in enumerate(held):
                 results[i] = h  # already held: no second write

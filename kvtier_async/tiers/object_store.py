@@ -16,7 +16,6 @@ The tier keeps no record of what the bucket holds.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from collections.abc import Awaitable, Sequence
 from datetime import timedelta
@@ -212,7 +211,7 @@ class ObjectStoreTier(SecondaryTierManager):
 
     async def _bounded(self, call: Awaitable[T]) -> T:
         # obstore's retries stop within timeout_s; this bounds a request that hangs anyway.
-        return await asyncio.wait_for(call, math.ceil(self.timeout_s * 1.5 * 100) / 100)
+        return await asyncio.wait_for(call, 1.5 * self.timeout_s)
 
     def _count_failures(self, replies: Sequence[object]) -> None:
         """Count failed requests; if every one failed, the store is unreachable: raise (an error)."""
