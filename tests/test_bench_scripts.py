@@ -85,9 +85,10 @@ def test_contention_bench_runs(tmp_path: Path) -> None:
 @servers.needs_redis
 def test_remote_tiers_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "remote.json"
-    bench("remote_tiers.py", "--blocks", "4", "--block-kib", "64", "--json", out)
-    result = json.loads(out.read_text())
-    assert result["redis"]["tier_load_gbps"] > 0 and result["s3"]["raw_store_gbps"] > 0
+    bench("remote_tiers.py", "--block-kib", "64", "--mib", "1", "--request-blocks", "4", "--json", out)
+    cases = {case["type"]: case for case in json.loads(out.read_text())["cases"]}
+    assert cases["redis"]["exact"] and cases["s3"]["exact"]
+    assert cases["redis"]["baseline"]["load"]["gbps"] > 0 and cases["s3"]["store_ratio"] > 0
 
 
 def test_metrics_overhead_bench_runs(tmp_path: Path) -> None:
