@@ -100,9 +100,13 @@ class CopyEngine:
             self._parts.append((layer.view(num_blocks, -1).view(torch.uint8), offset, width))
             offset += width
         self._workers = WorkerThreads(threads, "kvtier-copy")
-        #: Streams and events, when the device is a GPU and the host buffer is pinned.
-        self.uses_streams = self.device.type == "cuda" and primary.pinned
         self._streams: dict[str, Any] = {}
+
+    @property
+    def uses_streams(self) -> bool:
+        """Streams and events: when the device is a GPU and the host buffer is pinned (which it
+        is once the primary tier is resident; until then, copies wait in worker threads)."""
+        return self.device.type == "cuda" and self._primary.pinned
 
     async def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy device blocks into primary slots; the device blocks may be reused on return."""

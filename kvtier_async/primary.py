@@ -15,7 +15,6 @@ to make room; a pinned slot is never evicted or reused.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,39 +26,60 @@ from .spec import ALIGNMENT, OffloadingSpec
 __all__ = ["PrimaryTier"]
 
 
-def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, memoryview]:
-    """A flat uint8 tensor and a writable memoryview over the same 4096-aligned bytes."""
-    if pin:
-        # cudaHostAlloc hands out page-aligned memory.
-        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        array = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
-        view = memoryview(array).cast("B")
-    else:
-        # An anonymous mapping is page-aligned. It is populated now, like pinned memory:
-        # left to fault in during O_DIRECT reads, the page zeroing and the mmap lock
-        # it takes stalled the event loop for tens of ms (bench/loop_lag.py).
-        populate = getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-        tensor = torch.frombuffer(mapping, dtype=torch.uint8)
-        view = memoryview(mapping)
-    assert tensor.data_ptr() % ALIGNMENT == 0
-    return tensor, view
+#: madvise(2) advice that faults in every page of a range for writing (Linux >= 5.14).
+_MADV_POPULATE_WRITE = 23
+
+
+def _reserve(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory: address space only, no pages yet (cheap)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _populate(mapping: mmap.mmap, flat: torch.Tensor) -> None:
+    """Fault in every page of `mapping` now rather than during the first copies or reads."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except (AttributeError, OSError, ValueError):  # an old kernel, or no madvise: touch each page
+        flat[::ALIGNMENT].zero_()
+
+
+def _cuda_host_register(address: int, nbytes: int) -> None:
+    """Page-lock host memory for asynchronous DMA (what `pin_memory=True` allocations get)."""
+    portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not just the current one
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))  # type: ignore[no-untyped-call]
+
+
+def _cuda_host_unregister(address: int) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
 
 
 class PrimaryTier:
     """Slots of `spec.block_stride` bytes in one host buffer, with pins and LRU eviction.
 
-    The buffer is made resident when constructed (pinned, or populated), which
-    takes ~0.7 s per GiB on a small VM: build it before serving, or in a thread.
+    The buffer's memory goes through three stages. Constructing reserves it
+    (address space only). `make_resident()` faults in every page and, with
+    `pin_memory`, page-locks them for CUDA; that takes ~0.6 s per GiB on a
+    small VM, so `TieredKVCache` runs it on a worker thread when opened (a
+    standalone tier does it in the constructor unless `resident=False`).
+    `release_memory()` gives the pages back once nothing uses the buffer.
     """
 
-    def __init__(self, spec: OffloadingSpec, *, pin_memory: bool | None = None) -> None:
+    def __init__(
+        self, spec: OffloadingSpec, *, pin_memory: bool | None = None, resident: bool = True
+    ) -> None:
         self.spec = spec
         self.num_slots = spec.num_cpu_blocks
         self.stride = spec.block_stride
         self.block_nbytes = spec.block_nbytes
-        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
-        flat, self.view = _host_buffer(self.num_slots * self.stride, self.pinned)
+        #: Whether `make_resident` page-locks the buffer (default: when CUDA is available).
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        #: Whether the buffer is page-locked now (DMA to and from it is asynchronous).
+        self.pinned = False
+        self.resident = False
+        self._mapping = _reserve(self.num_slots * self.stride)
+        flat = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        assert flat.data_ptr() % ALIGNMENT == 0
+        self.view = memoryview(self._mapping)
         #: `[num_slots, block_stride]` uint8; row i is slot i.
         self.buffer = flat.view(self.num_slots, self.stride)
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -72,6 +92,38 @@ class PrimaryTier:
         self.evictions = 0
         #: Called whenever a slot may have become allocatable (unpinned or freed).
         self.on_release: Callable[[], None] | None = None
+        if resident:
+            self.make_resident()
+
+    # -- memory (blocking: call these from a worker thread where a loop is running) ---------
+    def make_resident(self) -> None:
+        """Fault in every page of the buffer and, with `pin_memory`, page-lock it. Idempotent."""
+        if self.resident:
+            return
+        _populate(self._mapping, self.buffer.view(-1))
+        if self.pin_memory:
+            _cuda_host_register(self.buffer.data_ptr(), self.buffer.numel())
+            self.pinned = True
+        self.resident = True
+
+    def release_memory(self) -> None:
+        """Unpin the buffer and give its pages back; the tier is empty afterwards.
+
+        Only once nothing reads or writes the buffer any more: its bytes read
+        as zeros afterwards. Freeing a populated mapping costs ~0.1 s per GiB,
+        which would otherwise fall on whichever thread drops the last reference
+        (often the event loop, inside a garbage collection).
+        """
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._ready.clear()
+        self._filling.clear()
+        self._key_of.clear()
+        self._lru.clear()
+        if self.pinned:
+            _cuda_host_unregister(self.buffer.data_ptr())
+            self.pinned = False
+        self.resident = False
+        self._mapping.madvise(mmap.MADV_DONTNEED)
 
     # -- queries ---------------------------------------------------------------------------
     def slot_view(self, slot: int) -> memoryview:

@@ -61,3 +61,38 @@ def test_abort_frees_the_slot(primary: kt.PrimaryTier) -> None:
     assert primary.lookup(b"a") is None and not primary.is_filling(b"a")
     assert primary.used_slots == 0 and primary.pinned_slots == 0
     assert released == [1]
+
+
+def test_memory_is_reserved_then_made_resident_then_given_back() -> None:
+    primary = kt.PrimaryTier(kt.OffloadingSpec(block_nbytes=5000, num_cpu_blocks=3), resident=False)
+    assert not primary.resident and not primary.pinned
+    primary.make_resident()
+    assert primary.resident and not primary.pinned  # no CUDA here: nothing to page-lock
+    slot = primary.allocate(b"a")
+    assert slot is not None
+    primary.slot_view(slot)[:] = b"\x05" * 5000
+    primary.publish(slot)
+    primary.unpin(slot)
+    primary.release_memory()
+    assert not primary.resident
+    assert primary.lookup(b"a") is None and primary.used_slots == 0  # nothing served from given-back pages
+    assert bytes(primary.slot_view(slot)) == bytes(5000)
+    assert primary.allocate(b"b") is not None  # still usable; its pages fault in again
+
+
+def test_pinning_registers_the_buffer_with_cuda_and_unregisters_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(
+        "kvtier_async.primary._cuda_host_register",
+        lambda address, nbytes: calls.append(("register", address, nbytes)),
+    )
+    monkeypatch.setattr(
+        "kvtier_async.primary._cuda_host_unregister", lambda address: calls.append(("unregister", address, 0))
+    )
+    primary = kt.PrimaryTier(kt.OffloadingSpec(block_nbytes=5000, num_cpu_blocks=3), pin_memory=True)
+    address = primary.buffer.data_ptr()
+    assert primary.resident and primary.pinned  # resident=True (the default) does it at once
+    primary.make_resident()  # idempotent
+    assert calls == [("register", address, 3 * 8192)]
+    primary.release_memory()
+    assert not primary.pinned and calls[1:] == [("unregister", address, 0)]
