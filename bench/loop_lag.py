@@ -72,7 +72,8 @@ async def main() -> None:
         print(
             f"{name:<6} lag p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
             f"max {lag['max_ms']:.3f} ms over {int(lag['ticks'])} ticks; "
-            f"{int(lag['full_gcs'])} full gc, longest {lag['full_gc_max_ms']:.1f} ms"
+            f"{int(lag['full_gcs'])} full gc, longest {lag['full_gc_max_ms']:.1f} ms; "
+            f"{lag['stolen_ms']:.0f} ms stolen by the hypervisor in {lag['seconds']:.2f} s"
         )
     if args.json:
         args.json.write_text(json.dumps(results))
