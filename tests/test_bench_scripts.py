@@ -57,10 +57,14 @@ def test_gpu_check_runs_on_the_cpu_fallback() -> None:
 def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     bench("pipeline.py", "--gib", "0.02", "--repeat", "1", "--dir", tmp_path, "--json", out)
-    assert json.loads(out.read_text())["store_ratio"] > 0
+    result = json.loads(out.read_text())
+    assert result["median"]["store_ratio"] > 0 and result["best"]["load_ratio"] > 0
+    assert len(result["rounds"]) == 1
     lag = tmp_path / "lag.json"
     bench("loop_lag.py", "--gib", "0.02", "--dir", tmp_path, "--json", lag)
-    assert set(json.loads(lag.read_text())) == {"idle", "store", "load"}
+    lags = json.loads(lag.read_text())
+    assert set(lags) == {"idle", "store", "load"}
+    assert lags["store"]["stolen_ms"] >= 0 and lags["load"]["seconds"] > 0
 
 
 def test_contention_bench_runs(tmp_path: Path) -> None:
