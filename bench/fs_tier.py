@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import mmap
 import os
 import random
 import shutil
@@ -33,6 +32,7 @@ import torch
 from common import GB, drop_cache, median_of, run
 
 import kvtier_async as kt
+from kvtier_async.primary import reserve_host_memory
 from kvtier_async.tiers.fs import FileSystemTier
 
 
@@ -85,7 +85,7 @@ async def run_tier(work: Path, block_nbytes: int, count: int, threads: int) -> d
 
 def run_raw(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
     stride = -(-block_nbytes // 4096) * 4096
-    buffers = [memoryview(mmap.mmap(-1, stride)) for _ in range(threads)]
+    buffers = [memoryview(reserve_host_memory(stride)) for _ in range(threads)]  # like the primary tier's
     for b in buffers:
         b[:] = os.urandom(stride)
     one_file_per_block = block_nbytes >= (1 << 20)

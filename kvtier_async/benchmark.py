@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import mmap
 import os
 import shutil
 import statistics
@@ -44,7 +43,7 @@ from .cache import TieredKVCache
 from .errors import ConfigError
 from .factory import SecondaryTierFactory
 from .keys import block_hashes
-from .primary import PrimaryTier
+from .primary import PrimaryTier, reserve_host_memory
 from .spec import OffloadingSpec
 from .tier import SecondaryTierManager
 
@@ -288,7 +287,9 @@ async def _raw_files(work: Path, spec: OffloadingSpec, groups: list[list[int]]) 
         return os.open(path, os.O_RDWR | os.O_DIRECT)
 
     fd = await asyncio.to_thread(prepare)
-    buffers = [memoryview(mmap.mmap(-1, stride * len(groups[0]))) for _ in groups]
+    # The same kind of memory as a primary tier's (huge pages where possible), so the ratio
+    # measures the tier's own costs, not the memory it reads into.
+    buffers = [memoryview(reserve_host_memory(stride * len(groups[0]))) for _ in groups]
     for buffer in buffers:
         buffer[:] = os.urandom(len(buffer))
     with ThreadPoolExecutor(threads) as pool:

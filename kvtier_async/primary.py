@@ -24,14 +24,14 @@ import torch
 
 from .spec import ALIGNMENT, OffloadingSpec
 
-__all__ = ["PrimaryTier"]
+__all__ = ["PrimaryTier", "reserve_host_memory"]
 
 
 #: madvise(2) advice that faults in every page of a range for writing (Linux >= 5.14).
 _MADV_POPULATE_WRITE = 23
 
 
-def _reserve(nbytes: int) -> mmap.mmap:
+def reserve_host_memory(nbytes: int) -> mmap.mmap:
     """Page-aligned anonymous memory: address space only, no pages yet (cheap).
 
     It asks for transparent huge pages. O_DIRECT I/O into 4 KiB pages has to
@@ -87,7 +87,7 @@ class PrimaryTier:
         #: Whether the buffer is page-locked now (DMA to and from it is asynchronous).
         self.pinned = False
         self.resident = False
-        self._mapping = _reserve(self.num_slots * self.stride)
+        self._mapping = reserve_host_memory(self.num_slots * self.stride)
         flat = torch.frombuffer(self._mapping, dtype=torch.uint8)
         assert flat.data_ptr() % ALIGNMENT == 0
         self.view = memoryview(self._mapping)
