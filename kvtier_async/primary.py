@@ -93,6 +93,15 @@ class PrimaryTier:
         self.view = memoryview(self._mapping)
         #: `[num_slots, block_stride]` uint8; row i is slot i.
         self.buffer = flat.view(self.num_slots, self.stride)
+        self._empty_slots()
+        self.evictions = 0
+        #: Called whenever a slot may have become allocatable (unpinned or freed).
+        self.on_release: Callable[[], None] | None = None
+        if resident:
+            self.make_resident()
+
+    def _empty_slots(self) -> None:
+        """Every slot free, nothing ready, filling or pinned."""
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._ready: dict[bytes, int] = {}
         self._filling: dict[bytes, int] = {}
@@ -100,11 +109,6 @@ class PrimaryTier:
         self._pins = [0] * self.num_slots
         self._lru: OrderedDict[int, None] = OrderedDict()  # ready, unpinned; oldest first
         self._pinned_slots = 0
-        self.evictions = 0
-        #: Called whenever a slot may have become allocatable (unpinned or freed).
-        self.on_release: Callable[[], None] | None = None
-        if resident:
-            self.make_resident()
 
     # -- memory (blocking: call these from a worker thread where a loop is running) ---------
     def make_resident(self) -> None:
@@ -125,11 +129,7 @@ class PrimaryTier:
         which would otherwise fall on whichever thread drops the last reference
         (often the event loop, inside a garbage collection).
         """
-        self._free = list(range(self.num_slots - 1, -1, -1))
-        self._ready.clear()
-        self._filling.clear()
-        self._key_of.clear()
-        self._lru.clear()
+        self._empty_slots()
         if self.pinned:
             _cuda_host_unregister(self.buffer.data_ptr())
             self.pinned = False
