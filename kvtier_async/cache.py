@@ -32,6 +32,7 @@ from anyio.abc import AsyncResource
 from .copy_engine import CopyEngine, as_layer_list, block_widths
 from .errors import ClosedError, InvalidArgumentError
 from .factory import SecondaryTierFactory
+from .in_flight import CallsInFlight
 from .keys import check_block_ids, check_keys, check_lengths
 from .primary import PrimaryTier
 from .scheduler import Priority, Scheduler, wait_uncancellable
@@ -149,9 +150,7 @@ class TieredKVCache(AsyncResource):
         self._released = asyncio.Event()
         self.primary.on_release = _weakly(self._on_release)
         self._opening: asyncio.Future[None] | None = None
-        self._active = 0  # store, load and prefetch calls in flight; `aclose` waits for them
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._calls = CallsInFlight()  # store, load and prefetch; `aclose` waits for them
         self._closed = False
 
     async def __aenter__(self) -> TieredKVCache:
@@ -178,16 +177,10 @@ class TieredKVCache(AsyncResource):
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
-        """Counts store, load and prefetch calls in flight, so that `aclose` can wait for them."""
+        """A store, load or prefetch call: refused once closed, counted until it returns."""
         self._check_open()
-        self._active += 1
-        self._idle.clear()
-        try:
+        with self._calls.track():
             yield
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
 
     def _on_release(self) -> None:
         self._releases += 1
@@ -611,7 +604,7 @@ class TieredKVCache(AsyncResource):
     async def _close_all(self) -> None:
         if self._background:
             await asyncio.wait(set(self._background))
-        await self._idle.wait()
+        await self._calls.wait_until_none()
         try:
             for tier in self.tiers:
                 await tier.aclose()

@@ -33,6 +33,7 @@ with suppress(ImportError):
     import anyio._backends._asyncio
 
 from .errors import ClosedError, InvalidArgumentError
+from .in_flight import CallsInFlight
 from .keys import check_block_ids, check_keys, check_lengths
 from .latency import LatencyHistogram
 from .scheduler import Lane, Priority, Scheduler, wait_uncancellable
@@ -86,8 +87,7 @@ class SecondaryTierManager(AsyncResource):
         self._opened = False
         self._opening: asyncio.Future[None] | None = None
         self._closed = False
-        self._active = 0
-        self._idle: asyncio.Event | None = None
+        self._calls = CallsInFlight()  # `aclose` waits for them
         # Per direction: calls in flight, and when the current busy period began.
         self._busy: dict[str, list[float]] = {"store": [0, 0.0], "load": [0, 0.0]}
         #: Keys being written by a store in flight, with the outcome its sharers wait for.
@@ -291,9 +291,7 @@ class SecondaryTierManager(AsyncResource):
         if self._closed:
             return
         self._closed = True
-        if self._active:
-            assert self._idle is not None
-            await self._idle.wait()
+        await self._calls.wait_until_none()
         await wait_uncancellable(asyncio.ensure_future(self._close_backend_once()))
 
     async def _close_backend_once(self) -> None:
@@ -379,28 +377,22 @@ class SecondaryTierManager(AsyncResource):
     def _operation(self, direction: str | None = None) -> Iterator[None]:
         """Counts operations in flight (so that `aclose` can wait for them), busy time and latency."""
         self._check_not_closed()
-        if self._idle is None:
-            self._idle = asyncio.Event()
-        self._active += 1
-        self._idle.clear()
-        busy = self._busy[direction] if direction else None
-        started = time.perf_counter()
-        if busy is not None:
-            if busy[0] == 0:
-                busy[1] = started
-            busy[0] += 1
-        try:
-            yield
-        finally:
-            if busy is not None and direction is not None:
-                now = time.perf_counter()
-                self.latency[direction].observe(now - started)
-                busy[0] -= 1
+        with self._calls.track():
+            busy = self._busy[direction] if direction else None
+            started = time.perf_counter()
+            if busy is not None:
                 if busy[0] == 0:
-                    self.busy_seconds[direction] += now - busy[1]
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
+                    busy[1] = started
+                busy[0] += 1
+            try:
+                yield
+            finally:
+                if busy is not None and direction is not None:
+                    now = time.perf_counter()
+                    self.latency[direction].observe(now - started)
+                    busy[0] -= 1
+                    if busy[0] == 0:
+                        self.busy_seconds[direction] += now - busy[1]
 
     async def _guarded(self, what: str, call: Awaitable[list[bool]], n: int) -> list[bool]:
         """Await a backend hook; a fault or a malformed answer becomes all-False, counted."""
