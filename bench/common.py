@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvtier_async.benchmark import LoopLag, percentile
+from kvtier_async.benchmark import LoopLag, median_tree, percentile
 from kvtier_async.benchmark import drop_page_cache as drop_cache
 
-__all__ = ["GB", "LoopLag", "drop_cache", "median_of", "percentile", "run", "timed"]
+__all__ = ["GB", "LoopLag", "drop_cache", "median_tree", "percentile", "run", "timed"]
 
 GB = 1e9
-
-
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:

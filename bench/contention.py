@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import drop_cache, median_of, percentile, run
+from common import drop_cache, median_tree, percentile, run
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
@@ -126,7 +126,7 @@ async def main() -> None:
                     print(f"round {r + 1} {mode:<9}: " + ", ".join(f"{k} {v:.1f}" for k, v in result.items()))
     finally:
         await asyncio.to_thread(shutil.rmtree, root, True)
-    summary: dict[str, Any] = {mode: median_of(runs) for mode, runs in results.items()}
+    summary: dict[str, Any] = {mode: median_tree(runs) for mode, runs in results.items()}
     for mode, numbers in summary.items():
         print(
             f"{mode:<9}: load p50 {numbers['load_p50_ms']:.1f} ms, p99 {numbers['load_p99_ms']:.1f} ms; "

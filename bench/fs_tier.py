@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from common import GB, drop_cache, median_of, run
+from common import GB, drop_cache, median_tree, run
 
 import kvtier_async as kt
 from kvtier_async.primary import reserve_host_memory
@@ -185,7 +185,7 @@ async def main() -> None:
                     if args.aiofiles:
                         aios.append(await run_aiofiles(case / f"aio{attempt}", block, count, threads))
                     await asyncio.to_thread(shutil.rmtree, case, True)
-                tier, raw = median_of(tiers), median_of(raws)
+                tier, raw = median_tree(tiers), median_tree(raws)
                 row = {
                     "block_kib": kib,
                     "blocks": count,
@@ -197,7 +197,7 @@ async def main() -> None:
                     "load_ratio": tier["load_gbps"] / raw["load_gbps"],
                 }
                 if aios:
-                    row["aiofiles"] = median_of(aios)
+                    row["aiofiles"] = median_tree(aios)
                 rows.append(row)
                 extra = ""
                 if "aiofiles" in row:

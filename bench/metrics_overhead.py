@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from common import median_of, run
+from common import median_tree, run
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvtier_async as kt
@@ -65,7 +65,7 @@ async def main() -> None:
     for _ in range(args.repeat):  # interleaved, so drifts hit both alike
         plain.append(await one_round(args.calls, watched=False))
         watched.append(await one_round(args.calls, watched=True))
-    result = {"plain": median_of(plain), "watched": median_of(watched)}
+    result = {"plain": median_tree(plain), "watched": median_tree(watched)}
     plain_rate, watched_ = result["plain"]["calls_per_s"], result["watched"]
     ratio = watched_["calls_per_s"] / plain_rate
     print(

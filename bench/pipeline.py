@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import drop_cache, median_of, run, timed
+from common import drop_cache, median_tree, run, timed
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
@@ -118,7 +118,7 @@ async def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print(f"round {attempt + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in rounds[-1].items()), flush=True)
-    result = median_of(rounds)
+    result = median_tree(rounds)
     # Best of the rounds too: this VM's disk runs at two speeds (a 512 MiB O_DIRECT read takes
     # 0.5 s or 2 s, whoever reads), and noise only ever adds time, so each stage's fastest
     # round is the closest to its own cost.
