@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -33,7 +35,9 @@ __all__ = [
     "HEADER_BYTES",
     "CorruptBlockError",
     "decode_block",
+    "decode_blocks",
     "encode_block",
+    "encode_blocks",
     "namespace_id",
     "pack_header",
     "payload_checksum",
@@ -105,13 +109,14 @@ def encode_block(payload: memoryview | bytes, *, namespace: bytes, key: bytes) -
     return value
 
 
-def decode_block(
-    value: bytes | bytearray | memoryview | None, into: memoryview, *, namespace: bytes, key: bytes
-) -> bool:
-    """Copy the payload of a stored value into `into` if every check passes; False otherwise."""
-    if value is None or len(value) != HEADER_BYTES + len(into):
+def decode_block(value: Any, into: memoryview, *, namespace: bytes, key: bytes) -> bool:
+    """Copy the payload of a stored value (bytes-like, or None) into `into` if every check
+    passes; False otherwise."""
+    if value is None:
         return False
     view = memoryview(value)
+    if view.nbytes != HEADER_BYTES + len(into):
+        return False
     try:
         checksum = verify_header(view[:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(into))
     except CorruptBlockError:
@@ -120,3 +125,18 @@ def decode_block(
         return False
     into[:] = view[HEADER_BYTES:]
     return True
+
+
+def encode_blocks(keys: Sequence[bytes], blocks: Sequence[memoryview], namespace: bytes) -> list[bytearray]:
+    """`encode_block` for each block (blocking: a worker thread's work)."""
+    return [encode_block(block, namespace=namespace, key=key) for key, block in zip(keys, blocks)]
+
+
+def decode_blocks(
+    keys: Sequence[bytes], values: Sequence[Any], blocks: Sequence[memoryview], namespace: bytes
+) -> list[bool]:
+    """`decode_block` for each value into its block (blocking: a worker thread's work)."""
+    return [
+        decode_block(value, block, namespace=namespace, key=key)
+        for key, value, block in zip(keys, values, blocks)
+    ]

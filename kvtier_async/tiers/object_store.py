@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ..block_format import decode_block, encode_block, namespace_id
+from ..block_format import decode_blocks, encode_blocks, namespace_id
 from ..errors import ConfigError
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
@@ -141,7 +141,7 @@ class ObjectStoreTier(SecondaryTierManager):
         import obstore
 
         await self._ready()
-        values = await self.run_blocking(self._encode, list(keys), list(blocks))
+        values = await self.run_blocking(encode_blocks, list(keys), list(blocks), self._namespace)
         puts = [obstore.put_async(self._store, self.object_name(k), v) for k, v in zip(keys, values)]
         replies = await self._bounded(asyncio.gather(*puts, return_exceptions=True))
         self._count_failures(replies)
@@ -154,7 +154,7 @@ class ObjectStoreTier(SecondaryTierManager):
         values = await self._bounded(asyncio.gather(*gets, return_exceptions=True))
         self._count_failures(values)
         found = [None if isinstance(value, BaseException) else value for value in values]
-        ok = await self.run_blocking(self._decode, list(keys), found, list(blocks))
+        ok = await self.run_blocking(decode_blocks, list(keys), found, list(blocks), self._namespace)
         self.counters["corrupt_blocks"] += sum(1 for v, good in zip(found, ok) if v is not None and not good)
         return ok
 
@@ -219,15 +219,3 @@ class ObjectStoreTier(SecondaryTierManager):
         self.counters["request_failures"] += len(failed)
         if failed and len(failed) == len(replies):
             raise failed[0]
-
-    def _encode(self, keys: list[bytes], blocks: list[memoryview]) -> list[bytearray]:
-        """Worker thread: header and checksum for each block."""
-        return [encode_block(b, namespace=self._namespace, key=k) for k, b in zip(keys, blocks)]
-
-    def _decode(self, keys: list[bytes], values: list[Any], blocks: list[memoryview]) -> list[bool]:
-        """Worker thread: verify each object and copy its payload into its block."""
-        out = []
-        for key, value, block in zip(keys, values, blocks):
-            view = None if value is None else memoryview(value)
-            out.append(decode_block(view, block, namespace=self._namespace, key=key))
-        return out

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from ..block_format import HEADER_BYTES, decode_block, encode_block, namespace_id
+from ..block_format import HEADER_BYTES, decode_blocks, encode_blocks, namespace_id
 from ..errors import ConfigError
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
@@ -165,7 +165,7 @@ class RedisTier(SecondaryTierManager):
     # -- the hooks -----------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
-        values = await self.run_blocking(self._encode, list(keys), list(blocks))
+        values = await self.run_blocking(encode_blocks, list(keys), list(blocks), self._namespace)
         names = [self.value_name(key) for key in keys]
 
         async def send(pipe: Any) -> None:
@@ -185,7 +185,7 @@ class RedisTier(SecondaryTierManager):
 
         replies = await self._pipeline(send)
         values = [reply if isinstance(reply, bytes) else None for reply in replies]
-        ok = await self.run_blocking(self._decode, list(keys), values, list(blocks))
+        ok = await self.run_blocking(decode_blocks, list(keys), values, list(blocks), self._namespace)
         self.counters["corrupt_blocks"] += sum(
             1 for value, good in zip(values, ok) if value is not None and not good
         )
@@ -237,14 +237,3 @@ class RedisTier(SecondaryTierManager):
 
     async def _bounded(self, call: Awaitable[T]) -> T:
         return await asyncio.wait_for(call, self.timeout_s)
-
-    def _encode(self, keys: list[bytes], blocks: list[memoryview]) -> list[bytearray]:
-        """Worker thread: header and checksum for each block."""
-        return [encode_block(block, namespace=self._namespace, key=key) for key, block in zip(keys, blocks)]
-
-    def _decode(self, keys: list[bytes], values: list[bytes | None], blocks: list[memoryview]) -> list[bool]:
-        """Worker thread: verify each value and copy its payload into its block."""
-        return [
-            decode_block(value, block, namespace=self._namespace, key=key)
-            for key, value, block in zip(keys, values, blocks)
-        ]
