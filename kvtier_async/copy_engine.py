@@ -15,7 +15,12 @@ backoff: no thread and no `synchronize()` on the loop. A cancelled copy still
 waits for its DMA to finish, since it reads or writes buffers the caller owns.
 
 Elsewhere (CPU tensors standing in for device memory, or an unpinned primary
-tier) the copies run as torch ops on worker threads, which release the GIL.
+tier) the copies run on worker threads, which release the GIL. CPU-to-CPU
+copies go through numpy, on the worker alone: torch would split each large
+copy over its intra-op OpenMP pool, a second team of busy threads per worker
+that nobody sized. On the 2-core test machine that doubled the event loop's
+worst stall while storing (six interleaved runs of `bench/loop_lag.py`:
+14-23 ms with torch, 4-11 ms with numpy).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy
 import torch
 
 from .errors import InvalidArgumentError
@@ -181,14 +187,22 @@ class CopyEngine:
         for device_first, slot_first, count in _paired_runs(device_ids, slots):
             rows = host[slot_first : slot_first + count]
             for part, offset, width in self._parts:
-                rows.narrow(1, offset, width).copy_(part[device_first : device_first + count])
+                _copy(rows.narrow(1, offset, width), part[device_first : device_first + count])
 
     def _copy_to_device(self, slots: list[int], device_ids: list[int]) -> None:
         host = self._primary.buffer
         for device_first, slot_first, count in _paired_runs(device_ids, slots):
             rows = host[slot_first : slot_first + count]
             for part, offset, width in self._parts:
-                part[device_first : device_first + count].copy_(rows.narrow(1, offset, width))
+                _copy(part[device_first : device_first + count], rows.narrow(1, offset, width))
+
+
+def _copy(into: torch.Tensor, source: torch.Tensor) -> None:
+    """`into.copy_(source)` for byte tensors, on the calling thread alone where both are in host memory."""
+    if into.device.type == "cpu" and source.device.type == "cpu":
+        numpy.copyto(into.detach().numpy(), source.detach().numpy())  # one thread, GIL released
+    else:
+        into.copy_(source)
 
 
 def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:

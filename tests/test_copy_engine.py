@@ -57,3 +57,27 @@ async def test_scattered_copies_are_exact_for_any_dtype(dtype: torch.dtype) -> N
         assert torch.equal(after[targets], before[device_ids])
         assert torch.equal(after[:20], before[:20])  # nothing else was touched
     engine.close()
+
+
+@pytest.mark.asyncio
+async def test_cpu_copies_stay_off_torchs_thread_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host-to-host copies run on the worker alone: `Tensor.copy_` would fan large copies out
+    over torch's intra-op threads, which stalled the event loop (see copy_engine's docstring)."""
+    layers = [torch.randint(0, 256, (8, 1 << 16), dtype=torch.uint8) for _ in range(2)]
+    spec = kt.OffloadingSpec(block_nbytes=2 << 16, num_cpu_blocks=8)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    engine = CopyEngine(layers, primary, threads=1)
+    original = [layer.clone() for layer in layers]
+
+    def no_torch_copy(*args: object) -> None:
+        raise AssertionError("Tensor.copy_ used for a host-to-host copy")
+
+    monkeypatch.setattr(torch.Tensor, "copy_", no_torch_copy)
+    await engine.to_host([0, 1, 5], [7, 2, 3])
+    for layer in layers:
+        layer.zero_()
+    await engine.to_device([7, 2, 3], [0, 1, 5])
+    monkeypatch.undo()
+    for before, after in zip(original, layers):
+        assert torch.equal(after[[0, 1, 5]], before[[0, 1, 5]])
+    engine.close()
