@@ -2,6 +2,7 @@
 
     python bench/loop_lag.py                  # 0.5 GiB of 2 MiB blocks through the fs tier
     python bench/loop_lag.py --no-gc-freeze   # leave torch's objects to the garbage collector
+    python bench/loop_lag.py --io-threads 2   # fewer threads competing with the loop for the GIL
 
 A ticker coroutine sleeps 1 ms in a loop and records how late each wake-up
 comes: first with the loop idle (the baseline), then while a `TieredKVCache`
@@ -37,6 +38,7 @@ async def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-gc-freeze", action="store_true", help="skip gc.freeze() after start-up")
+    parser.add_argument("--io-threads", type=int, default=None, help="OffloadingSpec.io_threads")
     args = parser.parse_args()
     block = args.block_kib * 1024
     blocks = max(8, int(args.gib * (1 << 30)) // block)
@@ -47,6 +49,7 @@ async def main() -> None:
         block_nbytes=block,
         num_cpu_blocks=max(8, blocks // 2),
         namespace="loop-lag",
+        io_threads=args.io_threads,
         secondary_tiers=[{"type": "fs", "root": str(root), "capacity_bytes": 4 * blocks * block}],
     )
     if not args.no_gc_freeze:

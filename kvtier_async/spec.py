@@ -96,7 +96,7 @@ class OffloadingSpec:
     max_pending_stores: int | None = None
     """Blocks waiting to be written per tier before stores are dropped; None: `num_cpu_blocks`."""
     io_threads: int | None = None
-    """Worker threads for blocking tier work; None: 4 per CPU core, between 4 and 32."""
+    """Worker threads for blocking tier work; None: 2 per CPU core, between 4 and 32."""
     max_inflight_bytes: int | None = None
     """Bytes in `write_blocks` / `read_blocks` calls at once, all tiers of a cache together
     (loads first); None: enough for every tier's lanes to be full."""
@@ -141,7 +141,11 @@ class OffloadingSpec:
     def limits(self) -> SchedulerLimits:
         """The scheduler limits in force, with every `None` resolved from the rest of the spec."""
         cpus = os.cpu_count() or 1
-        io_threads = self.io_threads or min(32, max(4, 4 * cpus))
+        # Each worker takes the GIL back after every syscall and checksum, in competition with
+        # the event loop: on 2 cores, 8 threads instead of 4 doubled the loop's p99 lag during
+        # cold loads (bench/loop_lag.py --io-threads) and read no faster, since a batch is one
+        # multi-MiB preadv/pwritev that already keeps several requests at the disk.
+        io_threads = self.io_threads or min(32, max(4, 2 * cpus))
         stride = self.block_stride
         batch_blocks = max(1, min(256, _BATCH_TARGET_BYTES // stride))
         chunk_blocks = max(
