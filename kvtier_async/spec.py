@@ -142,9 +142,10 @@ class OffloadingSpec:
         """The scheduler limits in force, with every `None` resolved from the rest of the spec."""
         cpus = os.cpu_count() or 1
         # Each worker takes the GIL back after every syscall and checksum, in competition with
-        # the event loop: on 2 cores, 8 threads instead of 4 doubled the loop's p99 lag during
-        # cold loads (bench/loop_lag.py --io-threads) and read no faster, since a batch is one
-        # multi-MiB preadv/pwritev that already keeps several requests at the disk.
+        # the event loop: on 2 cores, 8 threads instead of 4 raised the loop's p99 lag during
+        # cold loads from 2.1-3.4 to 3.2-6.3 ms (bench/loop_lag.py --io-threads) and read no
+        # faster, a batch being one multi-MiB preadv that keeps several requests at the disk.
+        # Stores, the background work on half the threads, lose ~20% there (README).
         io_threads = self.io_threads or min(32, max(4, 2 * cpus))
         stride = self.block_stride
         batch_blocks = max(1, min(256, _BATCH_TARGET_BYTES // stride))
