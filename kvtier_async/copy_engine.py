@@ -26,7 +26,7 @@ worst stall while storing (six interleaved runs of `bench/loop_lag.py`:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy
@@ -105,6 +105,12 @@ class CopyEngine:
         for layer, width in zip(layers, widths):
             self._parts.append((layer.view(num_blocks, -1).view(torch.uint8), offset, width))
             offset += width
+        # The same parts as numpy arrays, made once, where the layers are in host memory too.
+        self._numpy_parts = (
+            [(part.detach().numpy(), offset, width) for part, offset, width in self._parts]
+            if self.device.type == "cpu"
+            else None
+        )
         self._workers = WorkerThreads(threads, "kvtier-copy")
         self._streams: dict[str, Any] = {}
 
@@ -183,26 +189,26 @@ class CopyEngine:
     # -- elsewhere: torch ops on worker threads ------------------------------------------------------
 
     def _copy_to_host(self, device_ids: list[int], slots: list[int]) -> None:
-        host = self._primary.buffer
+        host, parts, copy = self._host_side()
         for device_first, slot_first, count in _paired_runs(device_ids, slots):
             rows = host[slot_first : slot_first + count]
-            for part, offset, width in self._parts:
-                _copy(rows.narrow(1, offset, width), part[device_first : device_first + count])
+            for part, offset, width in parts:
+                copy(rows[:, offset : offset + width], part[device_first : device_first + count])
 
     def _copy_to_device(self, slots: list[int], device_ids: list[int]) -> None:
-        host = self._primary.buffer
+        host, parts, copy = self._host_side()
         for device_first, slot_first, count in _paired_runs(device_ids, slots):
             rows = host[slot_first : slot_first + count]
-            for part, offset, width in self._parts:
-                _copy(part[device_first : device_first + count], rows.narrow(1, offset, width))
+            for part, offset, width in parts:
+                copy(part[device_first : device_first + count], rows[:, offset : offset + width])
 
-
-def _copy(into: torch.Tensor, source: torch.Tensor) -> None:
-    """`into.copy_(source)` for byte tensors, on the calling thread alone where both are in host memory."""
-    if into.device.type == "cpu" and source.device.type == "cpu":
-        numpy.copyto(into.detach().numpy(), source.detach().numpy())  # one thread, GIL released
-    else:
-        into.copy_(source)
+    def _host_side(self) -> tuple[Any, list[tuple[Any, int, int]], Callable[[Any, Any], Any]]:
+        """(primary buffer, layer parts, copy(into, source)): numpy arrays and `numpy.copyto`,
+        single-threaded with the GIL released, where the layers are in host memory; tensors
+        and `Tensor.copy_` otherwise."""
+        if self._numpy_parts is not None:
+            return self._primary.buffer.numpy(), self._numpy_parts, numpy.copyto
+        return self._primary.buffer, self._parts, torch.Tensor.copy_
 
 
 def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
