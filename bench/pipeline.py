@@ -15,10 +15,10 @@ sum of the two would be no overlap at all. CPU tensors stand in for GPU memory.
 
 Also measured, last in each round, as a reference the target does not use:
 "side by side", the copy-only and I/O-only work started together with no
-dependency between them.
-Here the copies are CPU memcpy competing with the disk reads and writes for the
-same 2 cores and memory, so even that takes longer than the slower of the two
-alone; `vs side by side` is how much the pipeline's ordering adds on top.
+dependency between them. Here the copies are CPU memcpy competing with the disk
+reads and writes for the same 2 cores and memory, so even that takes longer than
+the slower of the two alone; `vs side by side` is how much the pipeline's
+ordering adds on top.
 """
 
 from __future__ import annotations
@@ -118,11 +118,18 @@ async def one_round(work: Path, block_nbytes: int, blocks: int, device: str = "c
             out["load_both_s"] = await timed(
                 lambda: asyncio.gather(tier.load(keys, slots), engine.to_device(slots, ids))
             )
-    for direction in ("store", "load"):
-        slowest = max(out[f"{direction}_copy_s"], out[f"{direction}_io_s"])
-        out[f"{direction}_ratio"] = out[f"{direction}_pipeline_s"] / slowest
-        out[f"{direction}_vs_both"] = out[f"{direction}_pipeline_s"] / out[f"{direction}_both_s"]
+    add_ratios(out)
     return out
+
+
+def add_ratios(numbers: dict[str, float]) -> None:
+    """The pipeline against the slower of copy-only and I/O-only, and against side by side."""
+    for direction in ("store", "load"):
+        pipeline = numbers[f"{direction}_pipeline_s"]
+        numbers[f"{direction}_ratio"] = pipeline / max(
+            numbers[f"{direction}_copy_s"], numbers[f"{direction}_io_s"]
+        )
+        numbers[f"{direction}_vs_both"] = pipeline / numbers[f"{direction}_both_s"]
 
 
 async def main() -> None:
@@ -148,10 +155,7 @@ async def main() -> None:
     # 0.5 s or 2 s, whoever reads), and noise only ever adds time, so each stage's fastest
     # round is the closest to its own cost.
     best = {key: min(r[key] for r in rounds) for key in rounds[0]}
-    for direction in ("store", "load"):
-        slowest = max(best[f"{direction}_copy_s"], best[f"{direction}_io_s"])
-        best[f"{direction}_ratio"] = best[f"{direction}_pipeline_s"] / slowest
-        best[f"{direction}_vs_both"] = best[f"{direction}_pipeline_s"] / best[f"{direction}_both_s"]
+    add_ratios(best)
     gib = blocks * block / (1 << 30)
     for label, numbers in (("median", result), ("best", best)):
         for direction, io in (("store", "write"), ("load", "read")):
