@@ -186,7 +186,7 @@ class CopyEngine:
     def close(self) -> None:
         self._workers.close()
 
-    # -- elsewhere: torch ops on worker threads ------------------------------------------------------
+    # -- elsewhere: copies on worker threads (numpy for host to host, torch otherwise) ---------------
 
     def _copy_to_host(self, device_ids: list[int], slots: list[int]) -> None:
         host, parts, copy = self._host_side()
