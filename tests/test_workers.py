@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
+import platform
+import struct
 import sys
 import threading
 
 import pytest
 
 from kvtier_async.errors import ClosedError
-from kvtier_async.workers import WORKER_NICENESS, WorkerThreads
+from kvtier_async.workers import WORKER_NICENESS, WORKER_SLICE_NS, WorkerThreads
 
 
 def _named(prefix: str) -> list[threading.Thread]:
@@ -70,6 +73,33 @@ async def test_workers_yield_the_cpu_to_the_loop() -> None:
         worker_nice = await workers.run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert worker_nice == min(19, loop_nice + WORKER_NICENESS)
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
+    finally:
+        workers.close()
+
+
+def _slice_ns() -> int:
+    """The calling thread's CPU slice from sched_getattr(2); 0 where the kernel reports none (< 6.12)."""
+    number = {"x86_64": 315, "aarch64": 275}[platform.machine()]
+    attr = ctypes.create_string_buffer(48)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(number, threading.get_native_id(), attr, 48, 0) == 0, os.strerror(ctypes.get_errno())
+    runtime: int = struct.unpack_from("IIQiIQQQ", attr.raw)[5]
+    return runtime
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"),
+    reason="sched_getattr is read by syscall number",
+)
+async def test_workers_ask_for_a_longer_slice_than_the_loop() -> None:
+    loop_slice = _slice_ns()
+    if loop_slice == 0:
+        pytest.skip("this kernel has no per-thread CPU slice (Linux < 6.12)")
+    workers = WorkerThreads(1, "kvtier-test-slice")
+    try:
+        assert await workers.run(_slice_ns) == WORKER_SLICE_NS > loop_slice
+        assert _slice_ns() == loop_slice
     finally:
         workers.close()
 
