@@ -13,7 +13,7 @@ cores the loop otherwise waits behind them for a CPU, and for the GIL they
 take back after each call. And they ask for a long CPU slice: Linux (>= 6.12,
 EEVDF) lets a waking thread preempt a running one at once only if its slice is
 the shorter; otherwise the running worker keeps the CPU to the end of its slice
-(1.4 ms here) while the loop waits to wake.
+(1.4 ms on 2 cores) while the loop waits to run.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ WORKER_NICENESS = 10
 
 #: The CPU slice a worker thread asks for (Linux >= 6.12; older kernels ignore it). Longer than the
 #: kernel's default slice (0.7 ms times 1 + log2 of the CPU count, up to 2.8 ms) that the loop thread
-#: runs with, so the loop can preempt a busy worker the moment it wakes. `bench/loop_lag.py`, 6
-#: interleaved runs each: cold-load lag p99 0.86-1.53 ms with it, 1.64-3.84 ms without.
+#: runs with, so the loop can preempt a busy worker the moment it wakes. `bench/loop_lag.py`, 11
+#: interleaved runs each on 2 cores: cold-load lag p99 0.79-1.53 ms with it, 1.03-3.84 ms without.
 WORKER_SLICE_NS = 10_000_000
 
 # sched_setattr(2), which sets a thread's nice value and slice in one call; os has no wrapper.
@@ -154,7 +154,10 @@ def _set_nice_and_slice(tid: int, nice: int, slice_ns: int) -> bool:
     """
     if _SCHED_SETATTR is None:
         return False
-    policy = os.sched_getscheduler(tid)
+    try:
+        policy = os.sched_getscheduler(tid)
+    except OSError:
+        return False
     if policy not in (os.SCHED_OTHER, os.SCHED_BATCH):
         return False
     attr = _SCHED_ATTR.pack(_SCHED_ATTR.size, policy, 0, nice, 0, slice_ns, 0, 0)

@@ -6,14 +6,13 @@ import asyncio
 import ctypes
 import os
 import platform
-import struct
 import sys
 import threading
 
 import pytest
 
 from kvtier_async.errors import ClosedError
-from kvtier_async.workers import WORKER_NICENESS, WORKER_SLICE_NS, WorkerThreads
+from kvtier_async.workers import _SCHED_ATTR, WORKER_NICENESS, WORKER_SLICE_NS, WorkerThreads
 
 
 def _named(prefix: str) -> list[threading.Thread]:
@@ -80,10 +79,11 @@ async def test_workers_yield_the_cpu_to_the_loop() -> None:
 def _slice_ns() -> int:
     """The calling thread's CPU slice from sched_getattr(2); 0 where the kernel reports none (< 6.12)."""
     number = {"x86_64": 315, "aarch64": 275}[platform.machine()]
-    attr = ctypes.create_string_buffer(48)
+    attr = ctypes.create_string_buffer(_SCHED_ATTR.size)
     libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.syscall(number, threading.get_native_id(), attr, 48, 0) == 0, os.strerror(ctypes.get_errno())
-    runtime: int = struct.unpack_from("IIQiIQQQ", attr.raw)[5]
+    done = libc.syscall(number, threading.get_native_id(), attr, _SCHED_ATTR.size, 0)
+    assert done == 0, os.strerror(ctypes.get_errno())
+    runtime: int = _SCHED_ATTR.unpack_from(attr.raw)[5]
     return runtime
 
 
