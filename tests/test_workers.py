@@ -65,7 +65,12 @@ async def test_errors_come_back_and_closed_pools_refuse_work() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux only")
-async def test_workers_yield_the_cpu_to_the_loop() -> None:
+@pytest.mark.parametrize("sched_setattr", [True, False], ids=["sched_setattr", "setpriority"])
+async def test_workers_yield_the_cpu_to_the_loop(
+    sched_setattr: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not sched_setattr:  # as on a machine without the syscall: renicing alone must still happen
+        monkeypatch.setattr("kvtier_async.workers._SCHED_SETATTR", None)
     workers = WorkerThreads(2, "kvtier-test-nice")
     try:
         loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
