@@ -39,6 +39,8 @@ async def copy_case(device: str, block_nbytes: int, blocks: int) -> tuple[dict[s
     layers = make_layers(2 * blocks, block_nbytes, device)
     engine = CopyEngine(layers, primary, threads=spec.limits.copy_threads)
     device_ids = random.Random(0).sample(range(2 * blocks), blocks)  # scattered on the device
+    taken = set(device_ids)
+    targets = [i for i in range(2 * blocks) if i not in taken][:blocks]  # where the load goes back
     slots = list(range(blocks))
     nbytes = blocks * block_nbytes
     # Baseline: one contiguous device buffer <-> the pinned host buffer, same bytes.
@@ -57,7 +59,6 @@ async def copy_case(device: str, block_nbytes: int, blocks: int) -> tuple[dict[s
         started = time.perf_counter()
         await engine.to_host(device_ids, slots)
         d2h = nbytes / (time.perf_counter() - started) / GB
-        targets = [i for i in range(2 * blocks) if i not in set(device_ids)][:blocks]
         started = time.perf_counter()
         await engine.to_device(slots, targets)
         synchronize(device)
