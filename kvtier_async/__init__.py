@@ -10,7 +10,14 @@ async with kt.TieredKVCache(spec, kv_caches) as cache:
 
 from .cache import TieredKVCache
 from .copy_engine import CopyEngine
-from .errors import ClosedError, ConfigError, InvalidArgumentError, KVTierError, UnknownTierError
+from .errors import (
+    ClosedError,
+    ConfigError,
+    InvalidArgumentError,
+    KVTierError,
+    NamespaceInUseError,
+    UnknownTierError,
+)
 from .factory import SecondaryTierFactory
 from .keys import MAX_KEY_BYTES, block_hashes
 from .primary import PrimaryTier
@@ -27,6 +34,7 @@ __all__ = [
     "CopyEngine",
     "InvalidArgumentError",
     "KVTierError",
+    "NamespaceInUseError",
     "OffloadingSpec",
     "PrimaryTier",
     "Priority",

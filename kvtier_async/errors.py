@@ -4,7 +4,8 @@
     ├── InvalidArgumentError         (also ValueError) bad arguments to a call; nothing changed
     │   └── ConfigError              (also ValueError) bad OffloadingSpec or tier config
     │       └── UnknownTierError     a tier "type" nobody registered
-    └── ClosedError                  (also RuntimeError) the cache or tier was closed
+    ├── ClosedError                  (also RuntimeError) the cache or tier was closed
+    └── NamespaceInUseError          another process holds a file-system tier's root and namespace
 
 A missing block is not an error: `load` reports it as a miss. Backend faults
 (I/O errors, a server that is gone) are translated at the tier boundary into
@@ -19,6 +20,7 @@ __all__ = [
     "ConfigError",
     "InvalidArgumentError",
     "KVTierError",
+    "NamespaceInUseError",
     "UnknownTierError",
 ]
 
@@ -41,3 +43,7 @@ class UnknownTierError(ConfigError):
 
 class ClosedError(KVTierError, RuntimeError):
     """The cache or tier was closed before or during the call."""
+
+
+class NamespaceInUseError(KVTierError):
+    """Another process holds this file-system tier's root and namespace; the message names it."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -12,7 +13,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["ALIGNMENT", "OffloadingSpec", "SchedulerLimits"]
+__all__ = ["ALIGNMENT", "VLLM_SERIES", "OffloadingSpec", "SchedulerLimits", "vllm_namespace"]
 
 #: Slots of the primary tier start on this boundary, so O_DIRECT can read and
 #: write them in place.
@@ -167,52 +168,57 @@ class OffloadingSpec:
         )
 
     @classmethod
-    def from_vllm(cls, vllm_spec: Any) -> OffloadingSpec:
-        """Build a spec from a vLLM `OffloadingSpec`-like object, duck-typed; it is kept in `vllm_config`.
+    def from_vllm(
+        cls,
+        vllm_spec: Any,
+        primary_kv_view: memoryview,
+        *,
+        secondary_tiers: Sequence[Mapping[str, Any]] = (),
+        **limits: int | None,
+    ) -> OffloadingSpec:
+        """Our spec for one vLLM secondary tier: vLLM 0.33's `OffloadingSpec` and the primary view it
+        hands its tiers.
 
-        Read, first found wins: bytes per block (`block_nbytes`, `bytes_per_block`,
-        or the same keys in `extra_config`), primary capacity (`num_cpu_blocks`,
-        or `extra_config["num_cpu_blocks"]` / `["cpu_bytes_to_use"]`), tokens per
-        block (`offloaded_block_size`, `block_size`, `gpu_block_size`). Our own
-        fields (`secondary_tiers`, `namespace`, the scheduler limits) may sit in
-        `extra_config`; the namespace defaults to the served model's name, so
-        caches of different models never mix.
+        The geometry comes from the view, which vLLM shapes `(num_chunks, row_stride)`: a block
+        here is one whole row (every worker's bytes, then the padding vLLM adds to reach its page
+        size), so tiers move rows byte for byte. vLLM aligns rows to the host page size, which is
+        a multiple of our 4096, so `block_stride` is the row stride. The namespace is the model
+        name plus a digest of everything that decides a row's bytes (dtype, tokens per block and
+        hash, blocks per chunk, bytes per chunk, KV layout, and the parallel layout unless vLLM
+        declares the bytes parallelism-agnostic): two models, or one model with another dtype or
+        layout, never share blocks, while data-parallel replicas of one engine do. `limits` are
+        the scheduler sizing fields (`io_threads`, `max_inflight_loads`, ...). The vLLM spec is
+        kept in `vllm_config`.
         """
-        extra = dict(getattr(vllm_spec, "extra_config", None) or {})
-
-        def first(*names: str) -> Any:
-            for name in names:
-                value = getattr(vllm_spec, name, None)
-                if value is None:
-                    value = extra.get(name)
-                if value is not None:
-                    return value
-            return None
-
-        data: dict[str, Any] = {k: v for k, v in extra.items() if k in {f.name for f in fields(cls)}}
-        data.pop("vllm_config", None)
-        block_nbytes = first("block_nbytes", "bytes_per_block")
-        if block_nbytes is None:
-            raise ConfigError("from_vllm: the spec tells no bytes per block (block_nbytes / bytes_per_block)")
-        data["block_nbytes"] = block_nbytes
-        num_cpu_blocks = first("num_cpu_blocks")
-        if num_cpu_blocks is not None:
-            data["num_cpu_blocks"] = num_cpu_blocks
-        elif extra.get("cpu_bytes_to_use") is not None:
-            data["cpu_bytes_to_use"] = extra["cpu_bytes_to_use"]
-        else:
-            raise ConfigError("from_vllm: no num_cpu_blocks, nor extra_config['cpu_bytes_to_use']")
-        block_size = first("offloaded_block_size", "block_size", "gpu_block_size")
-        if block_size is not None:
-            data["block_size"] = block_size
-        if "namespace" not in data:
-            model_config = getattr(getattr(vllm_spec, "vllm_config", None), "model_config", None)
-            model = getattr(model_config, "model", None)
-            if isinstance(model, str) and model:
-                data["namespace"] = model[-255:]
-        data["extra_config"] = extra
-        spec = cls.from_dict(data)
-        return dataclasses.replace(spec, vllm_config=vllm_spec)
+        try:
+            view = memoryview(primary_kv_view)
+        except TypeError as exc:
+            raise ConfigError(f"from_vllm: primary_kv_view is not a buffer: {exc}") from exc
+        shape, strides = view.shape or (), view.strides or ()
+        if len(shape) != 2 or view.itemsize != 1 or strides[1] != 1:
+            raise ConfigError(
+                f"from_vllm: expected vLLM {VLLM_SERIES}'s primary view, 2-D bytes of shape "
+                f"(num_chunks, row_stride); got shape {shape}, strides {strides}"
+            )
+        num_chunks, row_stride = shape[0], strides[0]
+        if num_chunks < 1 or row_stride % ALIGNMENT:
+            raise ConfigError(
+                f"from_vllm: a primary view of {num_chunks} rows of {row_stride} bytes; "
+                f"rows must be a multiple of {ALIGNMENT} bytes apart"
+            )
+        unknown = sorted(set(limits) - _LIMIT_FIELDS)
+        if unknown:
+            raise ConfigError(f"from_vllm: unknown limits {unknown}; known: {sorted(_LIMIT_FIELDS)}")
+        fields: dict[str, Any] = {
+            "block_nbytes": row_stride,
+            "num_cpu_blocks": num_chunks,
+            "block_size": _vllm_tokens_per_chunk(vllm_spec),
+            "secondary_tiers": secondary_tiers,
+            "namespace": vllm_namespace(vllm_spec, row_stride),
+            "vllm_config": vllm_spec,
+            **limits,
+        }
+        return cls(**fields)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> OffloadingSpec:
@@ -249,3 +255,73 @@ class OffloadingSpec:
             if required not in data:
                 raise ConfigError(f"OffloadingSpec.{required} is required")
         return cls(**data)
+
+
+#: The vLLM release series whose `OffloadingSpec` `from_vllm` reads.
+VLLM_SERIES = "0.33"
+_LIMIT_FIELDS = frozenset(
+    {"io_threads", "max_inflight_loads", "max_inflight_stores", "max_pending_stores", "max_inflight_bytes"}
+)
+
+
+def _vllm_field(obj: Any, path: str) -> Any:
+    """`obj.a.b.c` for `path` "a.b.c", or a `ConfigError` naming the field and the vLLM series expected."""
+    value = obj
+    for part in path.split("."):
+        if not hasattr(value, part):
+            raise ConfigError(
+                f"from_vllm: the vLLM offloading spec has no {path!r}; kvtier_async reads vLLM "
+                f"{VLLM_SERIES}'s OffloadingSpec (got {type(obj).__module__}.{type(obj).__name__})"
+            )
+        value = getattr(value, part)
+    return value
+
+
+def _vllm_tokens_per_chunk(vllm_spec: Any) -> int:
+    tokens_per_block = _vllm_field(vllm_spec, "tokens_per_block")
+    blocks_per_chunk = _vllm_field(vllm_spec, "blocks_per_chunk")
+    tokens = max(tokens_per_block) if tokens_per_block else 0
+    if not isinstance(tokens, int) or not isinstance(blocks_per_chunk, int) or tokens * blocks_per_chunk < 1:
+        raise ConfigError(
+            f"from_vllm: tokens_per_block={tokens_per_block!r}, blocks_per_chunk={blocks_per_chunk!r} "
+            "give no tokens per chunk"
+        )
+    return tokens * blocks_per_chunk
+
+
+def vllm_namespace(vllm_spec: Any, row_stride: int) -> str:
+    """The namespace of a vLLM engine's blocks: its model name and a digest of their byte layout."""
+    model = _vllm_field(vllm_spec, "config.model.name")
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"from_vllm: config.model.name must be a non-empty str, got {model!r}")
+    parallel = _vllm_field(vllm_spec, "config.parallel")
+    layout: dict[str, Any] = {
+        "dtype": str(_vllm_field(vllm_spec, "config.model.dtype")),
+        "tokens_per_block": list(_vllm_field(vllm_spec, "tokens_per_block")),
+        "tokens_per_hash": _vllm_field(vllm_spec, "tokens_per_hash"),
+        "blocks_per_chunk": _vllm_field(vllm_spec, "blocks_per_chunk"),
+        "kv_bytes_per_chunk": _vllm_field(vllm_spec, "kv_bytes_per_chunk"),
+        "row_stride": row_stride,
+        "groups": [
+            [g.group_id, g.tokens_per_block, g.sliding_window_size_in_chunks, len(g.layer_names)]
+            for g in _vllm_field(vllm_spec, "config.groups")
+        ],
+        "kv_cache_layout": str(_vllm_field(vllm_spec, "config.kv_cache_layout")),
+        "canonical_layout": bool(_vllm_field(vllm_spec, "config.canonical_layout")),
+        "replicated_layout": bool(_vllm_field(vllm_spec, "replicated_layout")),
+    }
+    if not _vllm_field(vllm_spec, "config.parallel.is_parallelism_agnostic"):
+        layout["parallel"] = [
+            parallel.world_size,
+            parallel.tp_size,
+            parallel.pp_size,
+            parallel.pcp_size,
+            parallel.dcp_size,
+        ]
+        layout["cpu_page_size_per_worker"] = _vllm_field(vllm_spec, "cpu_page_size_per_worker")
+    digest = hashlib.blake2b(json.dumps(layout, sort_keys=True).encode(), digest_size=8).hexdigest()
+    suffix = f"|vllm-kv-{digest}"
+    # Both parts are kept whole where they fit in 255 bytes; a very long model name keeps its end.
+    room = 255 - len(suffix)
+    name = model.encode()[-room:].decode(errors="ignore")
+    return name + suffix

@@ -95,6 +95,10 @@ class SecondaryTierManager(AsyncResource):
         self.busy_seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
         #: Latency of each `store` / `load` call, whether or not metrics are exported.
         self.latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
+        #: Called on the event-loop thread with the keys this tier stopped holding (evicted,
+        #: replaced or deleted), where the backend knows it; a shared tier's server may also
+        #: drop keys without telling anyone.
+        self.removal_listeners: list[Callable[[list[bytes]], None]] = []
 
     # -- the backend's part ----------------------------------------------------------------
     @abc.abstractmethod
@@ -126,6 +130,16 @@ class SecondaryTierManager(AsyncResource):
     def backend_stats(self) -> dict[str, Any]:
         """Backend-specific gauges and counters merged into `stats()`."""
         return {}
+
+    def notify_removed(self, keys: list[bytes]) -> None:
+        """Tell the `removal_listeners` that this tier no longer holds `keys` (event-loop thread)."""
+        if not keys:
+            return
+        for listener in self.removal_listeners:
+            try:
+                listener(keys)
+            except Exception:
+                log.exception("tier %r: a removal listener failed", self.name)
 
     # -- helpers for backends ----------------------------------------------------------------
     @property
@@ -286,8 +300,21 @@ class SecondaryTierManager(AsyncResource):
                     break
         return present
 
+    async def open(self) -> None:
+        """Open the backend now (lock, connect, rebuild the index), raising what opening raised.
+
+        Optional: the first operation opens a tier that was not opened, and reports a failure
+        to open as misses. Call it where a tier that cannot open should stop a start-up.
+        """
+        with self._operation():
+            await self._open_once()
+
     async def aclose(self) -> None:
-        """Wait for operations in flight, then close the backend. Closing twice is harmless."""
+        """Wait for operations in flight, then close the backend and let go of the primary view.
+
+        Closing twice is harmless. Once closed, the tier holds no view of the primary
+        buffer, so its owner may unmap it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -296,11 +323,14 @@ class SecondaryTierManager(AsyncResource):
 
     async def _close_backend_once(self) -> None:
         try:
+            if self._opening is not None and not self._opening.done():
+                await asyncio.wait([self._opening])  # an opening in progress settles first
             if self._opened:
                 await self.close_backend()
         finally:
             if self._owns_scheduler and self._scheduler is not None:
                 self._scheduler.close()
+            self.primary_kv_view.release()
 
     @property
     def closed(self) -> bool:
@@ -354,24 +384,34 @@ class SecondaryTierManager(AsyncResource):
         A failed open is a backend fault like any other: the operation reports
         misses or failed stores, and the next operation tries to open again.
         """
-        if self._opened:
-            return True
-        if self._opening is None:
-            self._opening = asyncio.ensure_future(self.open_backend())
-        opening = self._opening
         try:
-            await asyncio.shield(opening)
+            await self._open_once()
         except asyncio.CancelledError:
-            if opening.cancelled():
-                self._opening = None
             raise
         except Exception:
-            self._opening = None
             self.counters["errors"] += 1
             log.warning("tier %r: opening failed", self.name, exc_info=True)
             return False
-        self._opened = True
         return True
+
+    async def _open_once(self) -> None:
+        """Run `open_backend` once, shared by concurrent callers; a failed opening is retried later."""
+        if self._opened:
+            return
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self.open_backend())
+            self._opening.add_done_callback(self._opening_done)
+        await asyncio.shield(self._opening)
+        self._opened = True
+
+    def _opening_done(self, opening: asyncio.Future[None]) -> None:
+        # Runs however the opening ended, even if every caller waiting for it was cancelled:
+        # a backend that opened is marked open (so that `aclose` closes it), and a failed or
+        # cancelled opening is forgotten, so that the next operation tries again.
+        if not opening.cancelled() and opening.exception() is None:
+            self._opened = True
+        elif self._opening is opening:
+            self._opening = None
 
     @contextmanager
     def _operation(self, direction: str | None = None) -> Iterator[None]:

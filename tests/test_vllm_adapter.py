@@ -1,216 +1,332 @@
-"""The vLLM adapter driven exactly as vLLM's tiering manager drives a secondary tier, without vLLM.
+"""`KVTierSecondaryTier` inside vLLM 0.33's real tiering manager, over real fs, Redis and S3 tiers.
 
-Jobs are plain objects with `job_id`, `keys` and `block_ids`; the primary tier is a memoryview;
-results are collected with `get_finished*`. Waiting is `drain_jobs()` (or a probe's gate), never time.
+Each scenario also runs with vLLM's own tiers in the same place (its example tier, and its fs
+tier where persistence is the point), as a control: a harness bug cannot pass as ours.
 """
 
 from __future__ import annotations
 
-import threading
+import os
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import probe_tier  # noqa: F401  the gated tier, loaded by module_path
+import numpy as np
 import pytest
 
+if os.environ.get("KVTIER_REQUIRE_SERVERS") != "1":  # CI installs vLLM and never skips these
+    pytest.importorskip("vllm.v1.kv_offload.tiering.base")
+
+import servers
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm_engine import ADAPTER, Engine, chunk_keys, make_manager, offloading_config, random_rows, row_bytes
+
 import kvtier_async as kt
-from kvtier_async.integrations.vllm import JobResult, KVTierSecondaryTier, LookupResult
-from kvtier_async.testing import make_key
+from kvtier_async.integrations.vllm import METRICS, KVTierSecondaryTier
 
-BLOCK = 4096
-SLOTS = 64
-
-
-@dataclass
-class Job:
-    job_id: int
-    keys: list[bytes]
-    block_ids: list[int]
+HIT, HIT_PENDING, RETRY, MISS = (
+    LookupResult.HIT,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+    LookupResult.MISS,
+)
+S3_BUCKET = "kvtier-vllm"
+S3_CREDENTIALS = {"access_key_id": "testing-key", "secret_access_key": "testing-secret-value"}
 
 
-def vllm_spec(**extra: Any) -> SimpleNamespace:
-    """A stand-in for vLLM's OffloadingSpec: what the adapter reads of it, duck-typed."""
-    model_config = SimpleNamespace(model="meta-llama/Llama-3.1-8B-Instruct")
-    return SimpleNamespace(
-        extra_config={"block_nbytes": BLOCK, "num_cpu_blocks": SLOTS, **extra},
-        offloaded_block_size=16,
-        vllm_config=SimpleNamespace(model_config=model_config),
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisServer]:
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    server = servers.RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[servers.S3Server]:
+    server = servers.S3Server()
+    server.start()
+    server.create_bucket(S3_BUCKET)
+    yield server
+    server.stop()
+
+
+def ours(tier: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{**ADAPTER, "tier": tier}]
+
+
+def tier_configs(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> list[dict[str, Any]]:
+    """An engine's secondary tiers, the same for every engine of a test (one root, one prefix)."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    if name == "fs":
+        return ours({"type": "fs", "root": str(tmp_path / "kv")})
+    if name == "redis":
+        url = request.getfixturevalue("redis_server").url
+        return ours({"type": "redis", "url": url, "prefix": prefix})
+    if name == "s3":
+        endpoint = request.getfixturevalue("s3_server").endpoint
+        tier = {"type": "s3", "bucket": S3_BUCKET, "prefix": prefix, "endpoint": endpoint, "allow_http": True}
+        return ours({**tier, **S3_CREDENTIALS})
+    if name == "vllm-fs":
+        return [{"type": "fs", "root_dir": str(tmp_path / "vllm-fs")}]  # control: vLLM's own
+    assert name == "vllm-example"
+    return [{"type": "example"}]  # control: vLLM's own, in memory, this engine only
+
+
+@pytest.fixture(params=["fs", "redis", "s3", "vllm-fs"])
+def persistent(request: pytest.FixtureRequest, tmp_path: Path) -> list[dict[str, Any]]:
+    return tier_configs(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["fs", "redis", "s3", "vllm-fs", "vllm-example"])
+def any_tier(request: pytest.FixtureRequest, tmp_path: Path) -> list[dict[str, Any]]:
+    return tier_configs(request.param, request, tmp_path)
+
+
+def test_store_reset_then_promotion_is_byte_exact(any_tier: list[dict[str, Any]]) -> None:
+    engine = Engine(make_manager(any_tier))
+    keys = chunk_keys(1, 8)
+    payloads = random_rows(keys, engine.row_bytes, seed=1)
+    ctx = engine.new_request()
+    assert engine.store(ctx, payloads) == keys
+    engine.finish(ctx)
+    engine.settle()  # the cascade to the secondary tier lands
+    engine.reset_cache()  # the primary tier is empty now
+
+    ctx = engine.new_request()
+    seen = engine.lookup_until_settled(ctx, keys)
+    first_found = next(p for p in seen if p != [RETRY] * 8)
+    assert first_found == [HIT_PENDING] * 8  # found in the secondary tier, promotion started
+    if any_tier[0]["type"] == ADAPTER["type"]:
+        assert seen[0] == first_found  # ours remembers what it stored: no RETRY round first
+    assert seen[-1] == [HIT] * 8
+    assert engine.load(ctx, keys) == payloads  # every byte of every row, padding included
+    engine.finish(ctx)
+    engine.step_end()
+    assert engine.shutdown() == []  # no "Keeping ... mapped: buffers are still exported"
+    assert engine.manager.primary_tier._mmap_region.mmap_obj is None  # unmapped
+
+
+def test_a_new_engine_finds_what_the_last_one_stored(persistent: list[dict[str, Any]]) -> None:
+    first = Engine(make_manager(persistent))
+    keys = chunk_keys(2, 6)
+    payloads = random_rows(keys, first.row_bytes, seed=2)
+    ctx = first.new_request()
+    first.store(ctx, payloads)
+    first.finish(ctx)
+    first.settle()
+    assert first.shutdown() == []
+
+    second = Engine(make_manager(persistent))
+    ctx = second.new_request()
+    seen = second.lookup_until_settled(ctx, [*keys, *chunk_keys(3, 1)])
+    assert seen[0] == [RETRY] * 7  # unknown to this process: the tier is asked, in one batch
+    assert seen[-1] == [HIT] * 6 + [MISS]
+    assert second.load(ctx, keys) == payloads
+    second.finish(ctx)
+    assert second.shutdown() == []
+
+
+@pytest.mark.parametrize("backend", ["fs", "redis"])
+def test_hundreds_of_store_and_reset_cycles_never_trip_the_drain_check(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # reset_cache() drains the tiers and then asserts that no job is left (manager.py:1164-1169):
+    # every result must be queued before drain_jobs returns, never a moment after.
+    if backend == "fs":
+        tier: dict[str, Any] = {"type": "fs", "root": str(tmp_path)}
+    else:
+        tier = {
+            "type": "redis",
+            "url": request.getfixturevalue("redis_server").url,
+            "prefix": uuid.uuid4().hex,
+        }
+    engine = Engine(make_manager(ours(tier), chunk_bytes=8192))
+    for cycle in range(300):
+        ctx = engine.new_request()
+        engine.store(ctx, random_rows(chunk_keys(1000 + cycle, 2), engine.row_bytes, seed=cycle))
+        engine.finish(ctx)
+        engine.reset_cache()  # with the cascade jobs just submitted, still in flight
+    (adapter,) = engine.manager.secondary_tiers
+    assert adapter._tier.stats()["stored_blocks"] == 600
+    assert engine.shutdown() == []
+
+
+def test_kv_events_report_what_the_tier_stored_and_evicted() -> None:
+    # A memory tier of 4 chunks: storing 8 evicts the first 4.
+    engine = Engine(make_manager(ours({"type": "memory", "capacity_bytes": 4 * row_bytes()})))
+    keys = chunk_keys(4, 8)
+    ctx = engine.new_request()
+    for key, payload in random_rows(keys, engine.row_bytes, seed=4).items():
+        engine.store(ctx, {key: payload})
+        engine.settle()
+    engine.step_end()
+    ours_events = [e for e in engine.events if e.ownership == "kvtier:memory"]
+    stored = [k for e in ours_events if not e.removed for k in e.keys]
+    removed = [k for e in ours_events if e.removed for k in e.keys]
+    assert stored == keys and removed == keys[:4]
+    assert all(e.medium is Medium.CPU and e.locality is Locality.LOCAL for e in ours_events)
+    assert all(e.removal_expected for e in ours_events if not e.removed)
+    engine.finish(ctx)
+    assert engine.shutdown() == []
+
+
+def test_a_partial_promotion_names_the_keys_that_arrived(tmp_path: Path) -> None:
+    engine = Engine(make_manager(ours({"type": "fs", "root": str(tmp_path)})))
+    keys = chunk_keys(5, 3)
+    ctx = engine.new_request()
+    engine.store(ctx, random_rows(keys, engine.row_bytes, seed=5))
+    engine.settle()
+    engine.step_end()  # the manager collects the store's result
+    (adapter,) = engine.manager.secondary_tiers
+    absent = chunk_keys(6, 1)[0]
+    job = TransferJob(
+        job_id=10_000,
+        keys=[keys[0], absent, keys[2]],
+        chunk_ids=np.array([20, 21, 22], dtype=np.int32),
+        is_promotion=True,
+        req_context=ReqContext(req_id="direct"),
     )
-
-
-@pytest.fixture
-def primary() -> memoryview:
-    view = memoryview(bytearray(SLOTS * BLOCK))
-    for slot in range(SLOTS):
-        view[slot * BLOCK : (slot + 1) * BLOCK] = bytes([slot % 251]) * BLOCK
-    return view
-
-
-def make(primary: memoryview, tier: dict[str, Any], **kwargs: Any) -> KVTierSecondaryTier:
-    return KVTierSecondaryTier(vllm_spec(), primary, "kvtier", tier=tier, **kwargs)
-
-
-@pytest.fixture
-def fs_adapter(primary: memoryview, tmp_path: Path) -> Iterator[KVTierSecondaryTier]:
-    adapter = make(primary, {"type": "fs", "root": str(tmp_path)}, lookup_result="bool")
-    yield adapter
-    adapter.shutdown()
-
-
-def finished(adapter: KVTierSecondaryTier) -> dict[int, bool]:
+    adapter.submit_load(job)
     adapter.drain_jobs()
-    return {r.job_id: r.success for r in adapter.get_finished()}
+    (result,) = adapter.get_finished_jobs()
+    assert (result.job_id, result.success) == (10_000, False)
+    assert list(result.successful_keys) == [keys[0], keys[2]]
+    assert result.transfer_bytes == 2 * engine.row_bytes and result.transfer_time is not None
+    engine.finish(ctx)
+    assert engine.shutdown() == []
 
 
-def test_store_then_lookup_hits(fs_adapter: KVTierSecondaryTier) -> None:
-    keys = [make_key(i) for i in range(4)]
-    fs_adapter.submit_store(Job(1, keys, [0, 1, 2, 3]))
-    assert finished(fs_adapter) == {1: True}
-    assert [fs_adapter.lookup(k, None) for k in keys] == [True] * 4
-    assert fs_adapter.get_finished() == []  # each result is given once
+def test_bad_jobs_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    engine = Engine(make_manager(ours({"type": "fs", "root": str(tmp_path)})))
+    (adapter,) = engine.manager.secondary_tiers
+    ctx = ReqContext(req_id="direct")
+    keys = chunk_keys(7, 2)
+    with pytest.raises(kt.InvalidArgumentError, match="2 keys but 1"):
+        adapter.submit_store(TransferJob(1, keys, np.array([0], dtype=np.int32), False, ctx))
+    with pytest.raises(kt.InvalidArgumentError, match="chunk_ids"):
+        adapter.submit_store(TransferJob(2, keys, np.array([0, engine.rows], dtype=np.int32), False, ctx))
+    assert not adapter.has_pending_work() and list(adapter.get_finished_jobs()) == []
+    assert engine.shutdown() == []
 
 
-def test_promotion_load_is_byte_exact(fs_adapter: KVTierSecondaryTier, primary: memoryview) -> None:
-    keys = [make_key(i) for i in range(4)]
-    expected = [bytes(primary[s * BLOCK : (s + 1) * BLOCK]) for s in (5, 6, 7, 8)]
-    fs_adapter.submit_store(Job(1, keys, [5, 6, 7, 8]))
-    assert finished(fs_adapter) == {1: True}
-    fs_adapter.submit_load(Job(2, keys, [40, 41, 42, 43]))
-    assert finished(fs_adapter) == {2: True}
-    assert [bytes(primary[s * BLOCK : (s + 1) * BLOCK]) for s in (40, 41, 42, 43)] == expected
+def test_a_second_engine_on_the_same_root_fails_at_start_naming_the_holder(tmp_path: Path) -> None:
+    tiers = ours({"type": "fs", "root": str(tmp_path)})
+    first = Engine(make_manager(tiers))
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(kt.NamespaceInUseError, match=rf"{tmp_path}.*process {os.getpid()} "):
+        make_manager(tiers)
+    assert set(os.listdir("/dev/shm")) == before  # vLLM cleaned up the region of the failed start
+    assert first.shutdown() == []
+    second = Engine(make_manager(tiers))  # free again once the first is gone
+    assert second.shutdown() == []
 
 
-def test_a_partial_load_reports_failure(fs_adapter: KVTierSecondaryTier) -> None:
-    fs_adapter.submit_store(Job(1, [make_key(0)], [0]))
-    fs_adapter.submit_load(Job(2, [make_key(0), make_key(99)], [10, 11]))
-    assert finished(fs_adapter) == {1: True, 2: False}
+def test_placement_and_backpressure_follow_the_wrapped_tier(
+    tmp_path: Path, redis_server: servers.RedisServer
+) -> None:
+    bp = {"backpressure": {"backpressure_cls": "EMABackpressureDetector"}}
+    manager = make_manager(
+        [
+            {**ADAPTER, "tier": {"type": "fs", "root": str(tmp_path)}, **bp},
+            {**ADAPTER, "tier": {"type": "redis", "url": redis_server.url, "prefix": uuid.uuid4().hex}},
+            {**ADAPTER, "tier": {"type": "fs", "root": str(tmp_path / "nfs")}, "locality": "REMOTE"},
+        ]
+    )
+    fs, redis, nfs = manager.secondary_tiers
+    assert (fs.medium, fs.locality, fs.cache_hit_source) == (
+        Medium.STORAGE,
+        Locality.LOCAL,
+        CacheHitSource.DISK,
+    )
+    assert (redis.medium, redis.locality) == (Medium.CPU, Locality.REMOTE)
+    assert nfs.locality is Locality.REMOTE
+    assert isinstance(fs.bp_detector, EMABackpressureDetector) and redis.bp_detector is None
+    engine = Engine(manager)
+    for n in range(12):  # past the detector's warm-up: its EMA is fed our transfer times and bytes
+        ctx = engine.new_request()
+        engine.store(ctx, random_rows(chunk_keys(100 + n, 1), engine.row_bytes, seed=n))
+        engine.finish(ctx)
+        engine.settle()
+    assert fs.bp_detector.store_latency_ema > 0
+    assert engine.shutdown() == []
 
 
-def test_unknown_keys_are_in_flight_then_answered_from_the_tier(primary: memoryview, tmp_path: Path) -> None:
-    writer = make(primary, {"type": "fs", "root": str(tmp_path / "a")}, lookup_result="bool")
-    try:
-        writer.submit_store(Job(1, [make_key(7)], [7]))
-        assert finished(writer) == {1: True}
-    finally:
-        writer.shutdown()  # another process, in effect: the reader has no record of its stores
-    reader = make(primary, {"type": "fs", "root": str(tmp_path / "a")}, lookup_result="enum")
-    try:
-        assert reader.lookup(make_key(7)) is LookupResult.RETRY  # the tier is being asked
-        assert reader.lookup(make_key(8)) is LookupResult.RETRY
-        reader.drain_jobs()
-        assert reader.lookup(make_key(7)) is LookupResult.HIT
-        assert reader.lookup(make_key(8)) is LookupResult.MISS
-        assert reader.lookup(make_key(7)) is LookupResult.HIT  # remembered now
-    finally:
-        reader.shutdown()
+def test_metrics_register_at_engine_start_and_carry_our_counters(tmp_path: Path) -> None:
+    tiers = ours({"type": "fs", "root": str(tmp_path)})
+    config = offloading_config(tiers)
+    registry = CollectorRegistry()
+    types = {cls: partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=config.extra_config)
+    )
+    # What the engine's stat logger does at start-up: the spec class names every metric and label.
+    prom = OffloadPromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]})  # type: ignore[arg-type]
+    engine = Engine(OffloadingSpecFactory.create_spec(config).get_manager())
+    ctx = engine.new_request()
+    engine.store(ctx, random_rows(chunk_keys(8, 4), engine.row_bytes, seed=8))
+    engine.finish(ctx)
+    engine.settle()
+    with engine.manager.lock:
+        stats = engine.manager.get_stats()
+        stats.set_info(engine.manager.config_info())
+    prom.observe(stats.data)
+    labels = {"model_name": "m", "engine": "0", "tier": "1:KVTierSecondaryTier"}
+    assert registry.get_sample_value(METRICS["stored_bytes"] + "_total", labels) == 4 * engine.row_bytes
+    assert registry.get_sample_value(METRICS["blocks"], labels) == 4
+    info = {k: v for k, v in labels.items() if k != "tier"}
+    found = [s for m in registry.collect() for s in m.samples if s.name == "vllm:kv_offload_config_info"]
+    assert any(s.labels.get("kvtier_tier") == "kvtier:fs" and s.labels.items() >= info.items() for s in found)
+    with engine.manager.lock:
+        again = engine.manager.get_stats()
+    assert METRICS["stored_bytes"] not in again.data["data"]  # increments, reported once
+    assert engine.shutdown() == []
 
 
-def gated(primary: memoryview) -> tuple[KVTierSecondaryTier, Any]:
-    adapter = make(primary, {"type": "ProbeTier", "module_path": "probe_tier"}, lookup_result="bool")
-    probe = adapter._tier  # the test reaches in only to open and close the probe's gates
-    return adapter, probe
+def test_namespaces_keep_models_and_layouts_apart() -> None:
+    def namespace(**kwargs: Any) -> str:
+        spec = OffloadingSpecFactory.create_spec(offloading_config(ours({"type": "memory"}), **kwargs))
+        view = memoryview(np.zeros((spec.num_chunks, spec.kv_bytes_per_chunk), dtype=np.int8))
+        return kt.OffloadingSpec.from_vllm(spec, view).namespace
+
+    base = namespace()
+    assert base.startswith("meta-llama/Llama-3.1-8B-Instruct|vllm-kv-")
+    assert namespace() == base  # the same engine again (a restart, another DP replica)
+    others = {namespace(model="Qwen/Qwen3-8B"), namespace(dtype="fp8"), namespace(tp_size=2)}
+    assert base not in others and len(others) == 3
 
 
-def set_gate(adapter: KVTierSecondaryTier, gate: Any, is_open: bool) -> None:
-    done = threading.Event()
-
-    def flip() -> None:
-        gate.set() if is_open else gate.clear()
-        done.set()
-
-    adapter._loop.call_soon_threadsafe(flip)
-    done.wait()
-
-
-def test_lookup_is_in_flight_while_its_store_is_pending(primary: memoryview) -> None:
-    adapter, probe = gated(primary)
-    try:
-        set_gate(adapter, probe.gates["write"], False)
-        adapter.submit_store(Job(1, [make_key(3)], [3]))
-        assert adapter.lookup(make_key(3)) is None  # neither hit nor miss: it is being stored
-        assert adapter.get_finished() == []
-        set_gate(adapter, probe.gates["write"], True)
-        assert finished(adapter) == {1: True}
-        assert adapter.lookup(make_key(3)) is True
-    finally:
-        adapter.shutdown()
+def test_from_vllm_reads_the_geometry_from_the_view_and_refuses_other_specs() -> None:
+    spec = OffloadingSpecFactory.create_spec(offloading_config(ours({"type": "memory"}), chunks=8))
+    view = memoryview(np.zeros((spec.num_chunks, spec.kv_bytes_per_chunk), dtype=np.int8))
+    ours_spec = kt.OffloadingSpec.from_vllm(spec, view, io_threads=3)
+    assert (ours_spec.num_cpu_blocks, ours_spec.block_nbytes) == (8, 15 * 4096)  # whole rows, padded
+    assert ours_spec.block_stride == view.strides[0] and ours_spec.limits.io_threads == 3
+    assert ours_spec.vllm_config is spec
+    with pytest.raises(kt.ConfigError, match=r"vLLM 0\.33's OffloadingSpec"):
+        kt.OffloadingSpec.from_vllm(SimpleNamespace(tokens_per_block=(16,), blocks_per_chunk=1), view)
+    with pytest.raises(kt.ConfigError, match="2-D bytes"):
+        kt.OffloadingSpec.from_vllm(spec, memoryview(bytearray(4096)))
+    with pytest.raises(kt.ConfigError, match="unknown limits"):
+        kt.OffloadingSpec.from_vllm(spec, view, io_thread=3)
 
 
-def test_many_jobs_in_flight(primary: memoryview, tmp_path: Path) -> None:
-    spec = vllm_spec(max_pending_stores=1000)  # queue them all: vLLM's jobs, not best-effort cache stores
-    adapter = KVTierSecondaryTier(spec, primary, "kvtier", tier={"type": "fs", "root": str(tmp_path)})
-    try:
-        source = {make_key(j): j % 32 for j in range(200)}  # stores read slots 0..31
-        for j in range(100):
-            keys = [make_key(j), make_key(100 + j)]
-            adapter.submit_store(Job(j, keys, [source[k] for k in keys]))
-        for j in range(100, 200):  # loads write slots 32..63, some before their store has landed
-            adapter.submit_load(Job(j, [make_key(j - 100)], [32 + j % 32]))
-        results = finished(adapter)
-        assert set(results) == set(range(200))
-        assert all(results[j] for j in range(100))  # every store landed
-        adapter.submit_load(Job(500, [make_key(j) for j in range(32)], list(range(32, 64))))
-        assert finished(adapter) == {500: True}
-        for j in range(32):  # byte-exact
-            assert primary[(32 + j) * BLOCK : (33 + j) * BLOCK] == bytes([source[make_key(j)] % 251]) * BLOCK
-    finally:
-        adapter.shutdown()
+def test_the_adapter_is_a_vllm_tier_and_needs_a_nested_tier(tmp_path: Path) -> None:
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
-
-def test_a_job_id_in_flight_twice_is_refused(primary: memoryview) -> None:
-    adapter, probe = gated(primary)
-    try:
-        set_gate(adapter, probe.gates["write"], False)
-        adapter.submit_store(Job(1, [make_key(0)], [0]))
-        with pytest.raises(ValueError, match="already in flight"):
-            adapter.submit_store(Job(1, [make_key(1)], [1]))
-        with pytest.raises(ValueError, match="2 keys but 1 block ids"):
-            adapter.submit_load(Job(2, [make_key(0), make_key(1)], [0]))
-        set_gate(adapter, probe.gates["write"], True)
-    finally:
-        adapter.shutdown()
-
-
-def test_shutdown_with_jobs_pending_fails_them_and_stops_the_thread(primary: memoryview) -> None:
-    adapter, probe = gated(primary)
-    set_gate(adapter, probe.gates["write"], False)
-    for j in range(5):
-        adapter.submit_store(Job(j, [make_key(j)], [j]))
-    adapter.shutdown()
-    results = {r.job_id: r.success for r in adapter.get_finished()}
-    assert results == {j: False for j in range(5)}
-    assert not adapter._thread.is_alive()
-    with pytest.raises(kt.ClosedError):
-        adapter.submit_store(Job(9, [make_key(9)], [9]))
-    with pytest.raises(kt.ClosedError):
-        adapter.lookup(make_key(0))
-    adapter.shutdown()  # twice is harmless
-
-
-def test_spec_from_a_vllm_spec() -> None:
-    original = vllm_spec(secondary_tiers=[{"type": "memory"}], max_inflight_loads=3)
-    spec = kt.OffloadingSpec.from_vllm(original)
-    assert (spec.block_nbytes, spec.num_cpu_blocks, spec.block_size) == (BLOCK, SLOTS, 16)
-    assert spec.namespace == "meta-llama/Llama-3.1-8B-Instruct"
-    assert spec.vllm_config is original
-    assert spec.limits.max_inflight_loads == 3 and spec.secondary_tiers[0]["type"] == "memory"
-    by_bytes = SimpleNamespace(extra_config={"block_nbytes": BLOCK, "cpu_bytes_to_use": 10 * BLOCK})
-    assert kt.OffloadingSpec.from_vllm(by_bytes).num_cpu_blocks == 10
-    with pytest.raises(kt.ConfigError, match="bytes per block"):
-        kt.OffloadingSpec.from_vllm(SimpleNamespace(extra_config={"num_cpu_blocks": 4}))
-    with pytest.raises(kt.ConfigError, match="num_cpu_blocks"):
-        kt.OffloadingSpec.from_vllm(SimpleNamespace(extra_config={"block_nbytes": BLOCK}))
-
-
-def test_the_adapter_needs_a_nested_tier(primary: memoryview) -> None:
-    with pytest.raises(kt.ConfigError, match="nested tier config"):
-        KVTierSecondaryTier(vllm_spec(), primary, "kvtier")
-    with pytest.raises(kt.ConfigError, match="lookup_result"):
-        make(primary, {"type": "memory"}, lookup_result="maybe")
-
-
-def test_results_are_job_results() -> None:
-    assert JobResult(1, True).job_id == 1 and JobResult(1, True).success
+    assert issubclass(KVTierSecondaryTier, SecondaryTierManager)
+    with pytest.raises(kt.ConfigError, match="nested kvtier tier config"):
+        make_manager([dict(ADAPTER)])
+    with pytest.raises(kt.ConfigError, match="locality"):
+        make_manager([{**ADAPTER, "tier": {"type": "memory"}, "locality": "MARS"}])

@@ -1,60 +1,104 @@
-"""kvtier tiers as vLLM secondary tiers: vLLM's synchronous tier surface over a private event loop.
+"""kvtier tiers inside vLLM 0.33: `KVTierSecondaryTier` is a vLLM secondary tier.
 
-vLLM's tiering manager calls its secondary tiers synchronously from the
-scheduler: `lookup(key, req_context)`, `submit_store(job)`, `submit_load(job)`
-(a job carries `job_id`, `keys` and `block_ids`, slots of the primary tier's
-memoryview), then polls `get_finished()` / `get_finished_jobs()` each step.
-`KVTierSecondaryTier` offers exactly that over any kvtier tier, configured by
-a nested `"tier"` dict:
+vLLM's `TieringOffloadingManager` keeps a CPU primary tier (a `/dev/shm` mapping,
+one row per chunk) and cascades every stored chunk to its secondary tiers; it
+loads them back ("promotion") when a request's prefix is found there. It loads an
+out-of-tree tier from the connector's extra config::
 
     {"type": "KVTierSecondaryTier", "module_path": "kvtier_async.integrations.vllm",
      "tier": {"type": "fs", "root": "/nvme/kv"}}
 
-The tier runs on a private event loop (uvloop when installed) on a daemon
-thread. No method blocks its caller on I/O: jobs are handed to the loop and
-their results come back through `get_finished*`; `lookup` answers from a local
-record of what this process stored or saw, and otherwise starts an existence
-check on the tier and answers "in flight" (None, or RETRY) until it is back.
-`drain_jobs` waits for every job; `shutdown` fails what has not started,
-waits for the rest, closes the tier and stops the thread. vLLM itself is never
-imported here at module import time.
+`KVTierSecondaryTier` subclasses vLLM's own `SecondaryTierManager` and runs the
+kvtier tier named by `"tier"` on a private event loop (uvloop when installed) on
+a daemon thread. vLLM calls it synchronously from its scheduler, under the
+manager's lock, and nothing here blocks that thread on I/O: jobs become tasks on
+the loop and come back through `get_finished_jobs`; `lookup` answers from what
+this process stored or was told, and otherwise queues the key for one batched
+existence check (sent at the end of the step) and answers RETRY until it is back.
+Only `drain_jobs` and `shutdown` wait, as vLLM's contract says they must.
+
+This module imports vLLM; `import kvtier_async` does not.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import logging
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine, Iterable, Mapping
+from typing import Any, ClassVar
 
-from ..errors import ClosedError, ConfigError
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .. import __version__
+from ..errors import ClosedError, ConfigError, InvalidArgumentError
 from ..factory import SecondaryTierFactory
+from ..keys import check_block_ids, check_keys, check_lengths
 from ..spec import OffloadingSpec
+from ..tier import SecondaryTierManager as KVTier
 
-__all__ = ["JobResult", "KVTierSecondaryTier", "LookupResult"]
+__all__ = ["METRICS", "KVTierSecondaryTier"]
 
 log = logging.getLogger(__name__)
 
+# Where each built-in kvtier tier keeps its blocks, as vLLM's tier filters and hit sources see it:
+# (medium, locality, cache hit source). A tier config's "locality" overrides the locality (an fs
+# root on a network file system is REMOTE). Out-of-tree kvtier tiers are STORAGE, locality unknown.
+_PLACEMENT: dict[str, tuple[Medium, Locality | None, CacheHitSource]] = {
+    "memory": (Medium.CPU, Locality.LOCAL, CacheHitSource.HOST),
+    "fs": (Medium.STORAGE, Locality.LOCAL, CacheHitSource.DISK),
+    "redis": (Medium.CPU, Locality.REMOTE, CacheHitSource.EXTERNAL_UNSPECIFIED),
+    "s3": (Medium.STORAGE, Locality.REMOTE, CacheHitSource.DISK),
+}
+_UNKNOWN_PLACEMENT = (Medium.STORAGE, None, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
-class LookupResult(enum.Enum):
-    """The newer lookup convention, used when the caller asks for it and vLLM's own is absent."""
+#: Keys this process knows a tier holds, kept to answer `lookup` at once; least recently
+#: used are forgotten first (and then asked about again).
+KNOWN_KEYS = 1 << 18
+#: Unknown keys gathered for one existence check; a step's lookups beyond it start another.
+_CHECK_BATCH = 1024
+#: How long `shutdown` lets jobs in flight finish before it cancels them.
+SHUTDOWN_GRACE_S = 10.0
 
-    HIT = "hit"
-    MISS = "miss"
-    RETRY = "retry"
-
-
-@dataclass(frozen=True)
-class JobResult:
-    """What `get_finished*` returns per job."""
-
-    job_id: Any
-    success: bool
+_COUNTERS = {
+    "stored_bytes": "Bytes a kvtier tier stored for vLLM.",
+    "stored_blocks": "Chunks a kvtier tier stored for vLLM.",
+    "store_failed_blocks": "Chunks a kvtier tier failed to store (I/O errors, no room).",
+    "stores_dropped": "Chunks a kvtier tier dropped because its pending-store budget was full.",
+    "stores_deduplicated": "Chunks a kvtier tier was asked to store but already held.",
+    "loaded_bytes": "Bytes a kvtier tier loaded into vLLM's primary tier.",
+    "load_hits": "Chunks a kvtier tier loaded byte-exact.",
+    "load_misses": "Chunks a kvtier tier was asked to load but did not have, or failed its checks.",
+    "errors": "Backend faults of a kvtier tier (counted, turned into misses and failed stores).",
+    "evictions": "Chunks a kvtier tier evicted to make room.",
+    "corrupt_blocks": "Chunks a kvtier tier found corrupt on read (a miss, never wrong bytes).",
+}
+_GAUGES = {
+    "blocks": "Chunks a kvtier tier holds.",
+    "used_bytes": "Bytes a kvtier tier uses.",
+    "capacity_bytes": "Bytes a kvtier tier may use.",
+}
+#: The Prometheus metrics `KVTierSecondaryTier` reports through vLLM, by our counter name.
+METRICS = {name: f"kvtier:{name}" for name in (*_COUNTERS, *_GAUGES)}
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -65,204 +109,402 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def _vllm_lookup_result() -> Any:
-    """vLLM's LookupResult enum where this vLLM has one (looked up lazily), else None."""
-    import importlib
+class KVTierSecondaryTier(SecondaryTierManager):
+    """Any kvtier tier as a vLLM 0.33 secondary tier.
 
-    for module in (
-        "vllm.v1.kv_offload.tiering.base",
-        "vllm.v1.kv_offload.tiering",
-        "vllm.v1.kv_offload.abstract",
-    ):
-        try:
-            found = getattr(importlib.import_module(module), "LookupResult", None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    return None
+    Args (after vLLM's own):
+        tier: the kvtier tier config, `{"type": "fs" | "redis" | "s3" | "memory" | ..., **kwargs}`.
+        locality: "LOCAL" or "REMOTE", where the built-in default for the tier type is wrong
+            (vLLM also picks back-pressure defaults from it).
+        limits: kvtier scheduler sizing (`io_threads`, `max_inflight_loads`, ...).
 
-
-class KVTierSecondaryTier:
-    """A kvtier tier behind vLLM's synchronous secondary-tier surface.
-
-    `lookup_result`: "bool" answers True / False / None (in flight); "enum"
-    answers HIT / MISS / RETRY of vLLM's `LookupResult` where importable, else
-    of ours; "auto" (the default) takes "enum" when vLLM has a `LookupResult`.
+    The tier is opened while vLLM builds its manager, so a tier that cannot open (a root in
+    use by another engine, a server that is down) stops the engine at start-up with the cause.
     """
+
+    # Every instance sets its own from the tier it wraps; see _PLACEMENT.
+    medium: ClassVar[Medium | None] = None
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(
         self,
         offloading_spec: Any,
         primary_kv_view: memoryview,
-        tier_type: str = "kvtier",
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
         *,
-        tier: dict[str, Any] | None = None,
-        lookup_result: str = "auto",
+        tier: Mapping[str, Any] | None = None,
+        locality: str | None = None,
+        limits: Mapping[str, int] | None = None,
     ) -> None:
-        if not isinstance(tier, dict) or "type" not in tier:
-            raise ConfigError('the vLLM adapter needs a nested tier config, e.g. "tier": {"type": "fs", ...}')
-        if lookup_result not in ("auto", "bool", "enum"):
-            raise ConfigError(f'lookup_result must be "auto", "bool" or "enum", got {lookup_result!r}')
-        spec = offloading_spec
-        if not isinstance(spec, OffloadingSpec):
-            spec = OffloadingSpec.from_vllm(offloading_spec)
-        self.offloading_spec = spec
-        self.tier_type = tier_type
-        enum_type = _vllm_lookup_result() if lookup_result != "bool" else None
-        if lookup_result == "enum" and enum_type is None:
-            enum_type = LookupResult
-        self._results: Any = enum_type
-        self._tier = SecondaryTierFactory.create_secondary_tier(dict(tier), primary_kv_view, spec)
-        self._lock = threading.Lock()
-        self._finished: list[JobResult] = []
-        self._jobs: dict[Any, Future[bool]] = {}
-        self._held: set[bytes] = set()  # keys this process stored or found on the tier
-        self._storing: dict[bytes, int] = {}  # keys in stores in flight, with how many
-        self._checking: dict[bytes, Future[list[bool]]] = {}
+        if not isinstance(tier, Mapping) or not isinstance(tier.get("type"), str):
+            raise ConfigError(
+                "KVTierSecondaryTier needs a nested kvtier tier config, "
+                'e.g. "tier": {"type": "fs", "root": "/nvme/kv"}'
+            )
+        if locality is not None and locality.upper() not in Locality.__members__:
+            raise ConfigError(f'KVTierSecondaryTier: locality must be "LOCAL" or "REMOTE", got {locality!r}')
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.spec = OffloadingSpec.from_vllm(
+            offloading_spec, primary_kv_view, secondary_tiers=[tier], **dict(limits or {})
+        )
+        medium, default_locality, hit_source = _PLACEMENT.get(tier["type"], _UNKNOWN_PLACEMENT)
+        # Instance attributes on purpose: vLLM reads them from the tier object, and what they are
+        # depends on the tier this one wraps.
+        self.medium = medium  # type: ignore[misc]
+        self.cache_hit_source = hit_source  # type: ignore[misc]
+        self.locality = Locality[locality.upper()] if locality is not None else default_locality
+        self._label = (self._tier_label(offloading_spec, tier_type, tier),)
+        self._ownership = f"kvtier:{tier['type']}"
+        self._events: list[OffloadingEvent] | None = (
+            []
+            if getattr(getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False)
+            else None
+        )
+        self._lock = threading.Lock()  # guards everything below; the loop thread takes it too
+        self._changed = threading.Condition(self._lock)  # notified when a job finishes
         self._closed = False
+        self._pending_jobs: set[int] = set()
+        self._finished: list[JobResult] = []
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._storing: dict[bytes, int] = {}  # keys in store jobs in flight, with how many
+        self._asking: set[bytes] = set()  # keys queued or in flight for an existence check
+        self._to_check: list[bytes] = []
+        self._checks_in_flight = 0
+        # Check answers, kept for at least one whole step: the older generation is dropped at
+        # each step's end, so answers nobody reads (a request that went away) do not pile up.
+        self._answers: dict[bytes, bool] = {}
+        self._older_answers: dict[bytes, bool] = {}
+        self._reported: dict[str, int] = {}  # counters already reported by get_stats
+        self._gauges: dict[str, int] = {}  # refreshed on the loop thread as jobs finish
+        self._tasks: dict[int, asyncio.Task[JobResult]] = {}  # loop thread only
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm", daemon=True)
         self._thread.start()
+        try:
+            self._tier: KVTier = self._call(self._open(tier))
+        except BaseException:
+            self._stop_loop()
+            raise
 
-    # -- lookups -------------------------------------------------------------------------------
-    def lookup(self, key: bytes, req_context: Any = None) -> Any:
-        """Whether `key` is on this tier: HIT / MISS, or "in flight" while that is being found out."""
-        self._check_open()
+    async def _open(self, config: Mapping[str, Any]) -> KVTier:
+        tier = SecondaryTierFactory.create_secondary_tier(config, self._primary_kv_view, self.spec)
+        try:
+            await tier.open()
+        except BaseException:
+            await tier.aclose()
+            raise
+        tier.removal_listeners.append(self._on_removed)
+        self._refresh_gauges(tier)
+        return tier
+
+    @staticmethod
+    def _tier_label(offloading_spec: Any, tier_type: str, tier: Mapping[str, Any]) -> str:
+        """vLLM's label for this tier ("<index + 1>:<type>"), found by matching our config among the
+        spec's; "?:kvtier-<type>" where it cannot be told apart from another."""
+        configs = getattr(offloading_spec, "secondary_tier_configs", None) or []
+        matches = [
+            i
+            for i, config in enumerate(configs)
+            if isinstance(config, Mapping) and config.get("type") == tier_type and config.get("tier") == tier
+        ]
+        return f"{matches[0] + 1}:{tier_type}" if len(matches) == 1 else f"?:kvtier-{tier['type']}"
+
+    # -- lookups ------------------------------------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT or MISS where known; RETRY while the key is being stored or asked about."""
         with self._lock:
-            if key in self._held:
-                return self._answer(True)
+            self._check_open()
+            if key in self._known:
+                self._known.move_to_end(key)
+                return LookupResult.HIT
             if key in self._storing:
-                return self._answer(None)
-            check = self._checking.get(key)
-            if check is None:
-                self._checking[key] = asyncio.run_coroutine_threadsafe(
-                    self._tier.lookup_each([key]), self._loop
-                )
-                return self._answer(None)
-            if not check.done():
-                return self._answer(None)
-            del self._checking[key]  # one answer per check: a later lookup asks the tier again
-        present = not check.cancelled() and check.exception() is None and check.result() == [True]
-        if present:
-            with self._lock:
-                self._held.add(key)
-        return self._answer(present)
+                return LookupResult.RETRY
+            answer = self._answers.get(key, self._older_answers.get(key))
+            if answer is not None:
+                if answer:
+                    self._remember([key])
+                return LookupResult.HIT if answer else LookupResult.MISS
+            if key not in self._asking:
+                self._asking.add(key)
+                self._to_check.append(key)
+                flush = len(self._to_check) >= _CHECK_BATCH
+            else:
+                flush = False
+        if flush:
+            self._send_checks()
+        return LookupResult.RETRY
 
-    def _answer(self, present: bool | None) -> Any:
-        if self._results is None:
-            return present
-        if present is None:
-            return self._results.RETRY
-        return self._results.HIT if present else self._results.MISS
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send this step's unknown keys as one existence check; forget answers a step old."""
+        with self._lock:
+            self._older_answers, self._answers = self._answers, {}
+        self._send_checks()
 
-    def touch(self, keys: Sequence[bytes], *args: Any, **kwargs: Any) -> None:
-        """Recency is the tier's own business (its LRU sees every read)."""
+    def _send_checks(self) -> None:
+        with self._lock:
+            keys, self._to_check = self._to_check, []
+            if not keys or self._closed:
+                return
+            self._checks_in_flight += 1
+        self._loop.call_soon_threadsafe(self._start_check, keys)
 
-    # -- jobs ----------------------------------------------------------------------------------
-    def submit_store(self, job: Any) -> None:
-        """Write `job.block_ids` (primary slots) under `job.keys`; the result comes via get_finished."""
-        keys, ids = self._job_args(job)
+    def _start_check(self, keys: list[bytes]) -> None:
+        task = self._loop.create_task(self._tier.lookup_each(keys))
+        task.add_done_callback(lambda done: self._check_done(keys, done))
+
+    def _check_done(self, keys: list[bytes], task: asyncio.Task[list[bool]]) -> None:
+        present = [False] * len(keys)
+        if not task.cancelled() and task.exception() is None:
+            present = task.result()
+        with self._lock:
+            self._checks_in_flight -= 1
+            for key, found in zip(keys, present):
+                self._asking.discard(key)
+                self._answers[key] = found
+            self._remember([key for key, found in zip(keys, present) if found])
+            self._changed.notify_all()
+
+    def _remember(self, keys: Iterable[bytes]) -> None:
+        """Note keys the tier holds (lock held)."""
+        for key in keys:
+            self._known[key] = None
+            self._known.move_to_end(key)
+        while len(self._known) > KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    def _on_removed(self, keys: list[bytes]) -> None:
+        """The tier let go of `keys` (evicted, deleted, found corrupt): loop thread."""
+        with self._lock:
+            for key in keys:
+                self._known.pop(key, None)
+            if self._events is not None:
+                self._events.append(self._event(keys, removed=True))
+
+    def _event(self, keys: list[bytes], *, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(
+            keys=[OffloadKey(key) for key in keys],
+            medium=self.medium or Medium.STORAGE,
+            removed=removed,
+            locality=self.locality,
+            ownership=self._ownership,
+            removal_expected=not removed,
+        )
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Write the job's primary rows to the tier; the result comes back via `get_finished_jobs`."""
+        keys, rows = self._job_args(job_metadata)
         with self._lock:
             for key in keys:
                 self._storing[key] = self._storing.get(key, 0) + 1
-        self._start(job.job_id, self._store(keys, ids), stored=keys)
+        self._start(job_metadata.job_id, self._store(job_metadata.job_id, keys, rows))
 
-    def submit_load(self, job: Any) -> None:
-        """Read `job.keys` into `job.block_ids` (primary slots); success only if every block arrived."""
-        keys, ids = self._job_args(job)
-        self._start(job.job_id, self._load(keys, ids))
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """Read the job's keys into its primary rows; success only where the exact bytes arrived."""
+        keys, rows = self._job_args(job_metadata)
+        self._start(job_metadata.job_id, self._load(job_metadata.job_id, keys, rows))
 
-    async def _store(self, keys: list[bytes], ids: list[int]) -> bool:
-        results = await self._tier.store(keys, ids)
-        with self._lock:
-            self._held.update(key for key, ok in zip(keys, results) if ok)
-        return bool(results) and all(results)
+    async def _store(self, job_id: int, keys: list[bytes], rows: list[int]) -> JobResult:
+        started = time.monotonic()
+        results = [False] * len(keys)
+        try:
+            results = await self._tier.store(keys, rows)
+        finally:
+            stored = [key for key, ok in zip(keys, results) if ok]
+            with self._lock:  # one step: a lookup sees the key as being stored, or its outcome
+                for key in keys:
+                    self._storing[key] -= 1
+                    if not self._storing[key]:
+                        del self._storing[key]
+                self._remember(stored)
+                if self._events is not None and stored:
+                    self._events.append(self._event(stored, removed=False))
+        elapsed = time.monotonic() - started
+        return JobResult(
+            job_id=job_id,
+            success=len(stored) == len(keys),
+            transfer_time=elapsed,
+            transfer_bytes=len(stored) * self.block_size_bytes,
+        )
 
-    async def _load(self, keys: list[bytes], ids: list[int]) -> bool:
-        results = await self._tier.load(keys, ids)
+    async def _load(self, job_id: int, keys: list[bytes], rows: list[int]) -> JobResult:
+        started = time.monotonic()
+        results = await self._tier.load(keys, rows)
+        elapsed = time.monotonic() - started
+        loaded = [OffloadKey(key) for key, ok in zip(keys, results) if ok]
         with self._lock:
             for key, ok in zip(keys, results):
                 if not ok:
-                    self._held.discard(key)  # gone from the tier (evicted, or a restarted server)
-        return bool(results) and all(results)
+                    self._known.pop(key, None)  # gone (evicted, or another process's server restarted)
+        complete = len(loaded) == len(keys)
+        return JobResult(
+            job_id=job_id,
+            success=complete,
+            successful_keys=None if complete or not loaded else loaded,
+            transfer_time=elapsed,
+            transfer_bytes=len(loaded) * self.block_size_bytes,
+        )
 
-    def get_finished(self) -> list[JobResult]:
+    def _job_args(self, job: TransferJob) -> tuple[list[bytes], list[int]]:
+        """Check a job before anything starts; a bad one raises `InvalidArgumentError`."""
+        keys = [bytes(key) for key in job.keys]
+        rows = [int(row) for row in job.chunk_ids]
+        check_keys(keys)
+        check_lengths(keys, rows)
+        check_block_ids(rows, self.spec.num_cpu_blocks, what="chunk_ids")
+        with self._lock:
+            self._check_open()
+            if job.job_id in self._pending_jobs:
+                raise InvalidArgumentError(f"job {job.job_id!r} is already in flight")
+        return keys, rows
+
+    def _start(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
+        with self._lock:
+            self._pending_jobs.add(job_id)
+        self._loop.call_soon_threadsafe(self._start_job, job_id, work)
+
+    def _start_job(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
+        # On the loop thread. The result is recorded when the task has really ended, never
+        # earlier: until then its I/O may still touch the job's primary rows.
+        task = self._loop.create_task(work)
+        self._tasks[job_id] = task
+        task.add_done_callback(lambda done: self._job_done(job_id, done))
+
+    def _job_done(self, job_id: int, task: asyncio.Task[JobResult]) -> None:
+        del self._tasks[job_id]
+        if task.cancelled():
+            result = JobResult(job_id=job_id, success=False)
+        elif (error := task.exception()) is not None:
+            log.warning("kvtier vLLM tier: job %r failed", job_id, exc_info=error)
+            result = JobResult(job_id=job_id, success=False)
+        else:
+            result = task.result()
+        self._refresh_gauges(self._tier)
+        with self._lock:
+            self._finished.append(result)
+            self._pending_jobs.discard(job_id)
+            self._changed.notify_all()
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs finished since the last call, each once."""
         with self._lock:
             done, self._finished = self._finished, []
         return done
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        return self.get_finished()
-
-    def drain_jobs(self, timeout: float | None = None) -> None:
-        """Block until every submitted job (and existence check) has finished; results stay for
-        get_finished."""
+    def drain_jobs(self) -> None:
+        """Wait until every submitted job has finished, its result queued for `get_finished_jobs`,
+        and every existence check sent has been answered. A job is never abandoned half-way."""
+        waited = 0.0
         with self._lock:
-            pending: list[Future[Any]] = [*self._jobs.values(), *self._checking.values()]
-        for future in pending:
-            with contextlib.suppress(Exception):  # a failure is reported as a failed job
-                future.result(timeout)
+            while self._pending_jobs or self._checks_in_flight:
+                if not self._changed.wait(timeout=5.0):
+                    waited += 5.0
+                    log.warning(
+                        "kvtier vLLM tier: still waiting for %d jobs and %d lookups after %.0f s",
+                        len(self._pending_jobs),
+                        self._checks_in_flight,
+                        waited,
+                    )
 
-    # -- request lifecycle: nothing per request is kept here -----------------------------------
-    def on_request_started(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def on_request_finished(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    # -- shutting down -------------------------------------------------------------------------
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Fail the jobs not yet started, wait for the rest, close the tier, stop the thread."""
-        if self._closed:
-            return
-        self._closed = True
+    def has_pending_work(self) -> bool:
         with self._lock:
-            pending: list[Future[Any]] = [*self._jobs.values(), *self._checking.values()]
-        for future in pending:
-            future.cancel()  # a job already running is cancelled inside; its result says so
-        self.drain_jobs(timeout)
-        closing = asyncio.run_coroutine_threadsafe(self._tier.aclose(), self._loop)
+            return bool(self._pending_jobs or self._to_check or self._checks_in_flight)
+
+    # -- what vLLM asks of every tier -------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()  # chunk by chunk, as they are computed
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Chunks this tier stored and let go of since the last call (with KV events enabled)."""
+        if self._events is None:
+            return ()
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        definitions: dict[str, OffloadingMetricMetadata] = {}
+        for name, documentation in _COUNTERS.items():
+            definitions[METRICS[name]] = OffloadingCounterMetadata(
+                documentation=documentation, labelnames=(TIER_LABEL,)
+            )
+        for name, documentation in _GAUGES.items():
+            definitions[METRICS[name]] = OffloadingGaugeMetadata(
+                documentation=documentation, labelnames=(TIER_LABEL,)
+            )
+        return definitions
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Counter increments since the last call, and the tier's gauges, labelled by tier."""
+        counters = dict(self._tier.counters)  # one C-level copy: safe against the loop thread
+        stats = OffloadingConnectorStats()
+        for name in _COUNTERS:
+            delta = counters.get(name, 0) - self._reported.get(name, 0)
+            if delta:
+                stats.increase_counter(METRICS[name], delta, self._label)
+                self._reported[name] = counters.get(name, 0)
+        for name, value in dict(self._gauges).items():
+            stats.set_gauge(METRICS[name], value, self._label)
+        return None if stats.is_empty() else stats
+
+    def _refresh_gauges(self, tier: KVTier) -> None:
+        # On the loop thread, which owns the tier's index.
+        backend = tier.backend_stats()
+        self._gauges = {name: backend[name] for name in _GAUGES if isinstance(backend.get(name), int)}
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("kvtier_tier", "kvtier_namespace", "kvtier_version")
+
+    def config_info(self) -> ConfigInfoMapping:
+        return {
+            "kvtier_tier": self._ownership,
+            "kvtier_namespace": self.spec.namespace,
+            "kvtier_version": __version__,
+        }
+
+    # -- shutting down --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Let jobs in flight finish (cancel them after `SHUTDOWN_GRACE_S`), close the tier, stop the
+        thread. Afterwards nothing here holds a view of vLLM's primary region, so vLLM unmaps it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
-            closing.result(timeout)
+            if self._thread.is_alive():
+                self._call(self._close())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self._loop.close()
+            self._stop_loop()
+            with self._lock:
+                # Results of jobs that never started (the loop was gone); none touches memory now.
+                for job_id in self._pending_jobs:
+                    self._finished.append(JobResult(job_id=job_id, success=False))
+                self._pending_jobs.clear()
+                self._changed.notify_all()
 
-    # -- internals -----------------------------------------------------------------------------
+    async def _close(self) -> None:
+        if self._tasks:
+            _, running = await asyncio.wait(set(self._tasks.values()), timeout=SHUTDOWN_GRACE_S)
+            for task in running:
+                task.cancel()
+            if running:
+                log.warning("kvtier vLLM tier: cancelled %d jobs still running at shutdown", len(running))
+                await asyncio.wait(running)
+        await self._tier.aclose()
+
+    def _stop_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+    def _call(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """Run `work` on the loop and wait for it (start-up and shutdown only)."""
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError("the kvtier vLLM tier is shut down")
-
-    def _job_args(self, job: Any) -> tuple[list[bytes], list[int]]:
-        self._check_open()
-        keys, ids = list(job.keys), [int(i) for i in job.block_ids]
-        if len(keys) != len(ids):
-            raise ValueError(f"job {job.job_id!r}: {len(keys)} keys but {len(ids)} block ids")
-        with self._lock:
-            if job.job_id in self._jobs:
-                raise ValueError(f"job {job.job_id!r} is already in flight")
-        return keys, ids
-
-    def _start(self, job_id: Any, work: Any, stored: list[bytes] | None = None) -> None:
-        # Registered under the lock before its done-callback can run, so it is always removed.
-        with self._lock:
-            future = asyncio.run_coroutine_threadsafe(work, self._loop)
-            self._jobs[job_id] = future
-        future.add_done_callback(lambda f: self._on_job_done(job_id, f, stored or []))
-
-    def _on_job_done(self, job_id: Any, future: Future[Any], stored: list[bytes]) -> None:
-        """Runs however the job ended, even cancelled before it started."""
-        success = not future.cancelled() and future.exception() is None and future.result() is True
-        if not future.cancelled() and future.exception() is not None:
-            log.warning("kvtier vLLM tier: job %r failed", job_id, exc_info=future.exception())
-        with self._lock:
-            for key in stored:
-                self._storing[key] -= 1
-                if not self._storing[key]:
-                    del self._storing[key]
-            self._jobs.pop(job_id, None)
-            self._finished.append(JobResult(job_id, success))
+            raise ClosedError(f"kvtier vLLM tier {self.tier_type!r} is shut down")

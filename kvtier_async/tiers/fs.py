@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import shutil
+import socket
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from ..block_format import (
     payload_checksum,
     verify_header,
 )
-from ..errors import ConfigError, KVTierError
+from ..errors import ConfigError, KVTierError, NamespaceInUseError
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from .fs_layout import (
@@ -96,6 +97,14 @@ def _header_scratch(count: int) -> memoryview:
         buffer = _aligned_buffer(nbytes)
         _scratch.headers = buffer
     return buffer[:nbytes]
+
+
+def _command_line() -> str:
+    try:
+        raw = Path("/proc/self/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
 
 
 def _probe_direct_io(directory: Path) -> bool:
@@ -219,13 +228,7 @@ class FileSystemTier(SecondaryTierManager):
             with os.fdopen(fd, "w") as f:
                 f.write(self.offloading_spec.namespace + "\n")
             os.replace(tmp, name_file)
-        lock_fd = os.open(self.directory / "LOCK", os.O_CREAT | os.O_RDWR, FILE_MODE)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise KVTierError(f"fs tier: {self.directory} is in use by another process") from None
-        self._lock_fd = lock_fd
+        self._lock_fd = self._lock_namespace()
         if self.direct_io_requested == "auto":
             self.direct_io = _probe_direct_io(self.directory)
         elif self.direct_io_requested:
@@ -258,6 +261,29 @@ class FileSystemTier(SecondaryTierManager):
             if state.log_entries > 2 * state.records:
                 self._compact_log(slab)
         return found
+
+    def _lock_namespace(self) -> int:
+        """Take this namespace for this process (worker thread); the lock file names the holder.
+
+        One process at a time uses a namespace: a second one gets an error naming the root and
+        the process that holds it, never a tier that silently misses.
+        """
+        lock_fd = os.open(self.directory / "LOCK", os.O_CREAT | os.O_RDWR, FILE_MODE)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(lock_fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
+            os.close(lock_fd)
+            raise NamespaceInUseError(
+                f"fs tier: root {str(self.root)!r} (namespace {self.offloading_spec.namespace!r}, "
+                f"{self.directory.name}) is in use by {holder}; one process at a time uses a root's "
+                "namespace: give each process its own root"
+            ) from None
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(
+            lock_fd, f"process {os.getpid()} on {socket.gethostname()} ({_command_line()})\n".encode(), 0
+        )
+        return lock_fd
 
     def _data_flags(self) -> int:
         return os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
@@ -343,8 +369,10 @@ class FileSystemTier(SecondaryTierManager):
             return self._free.pop()
         if self._lru:
             where, _ = self._lru.popitem(last=False)
-            del self._where[self._key_at.pop(where)]
+            key = self._key_at.pop(where)
+            del self._where[key]
             self.counters["evictions"] += 1
+            self.notify_removed([key])
             return where
         return None
 
@@ -585,6 +613,7 @@ class FileSystemTier(SecondaryTierManager):
                     corrupt.append((key, where))
                     self._drop(where)
         if corrupt:
+            self.notify_removed([key for key, _ in corrupt])
             await self.run_blocking(self._log_deletions, corrupt)
         return results
 
@@ -655,6 +684,7 @@ class FileSystemTier(SecondaryTierManager):
                 dropped.append((key, where))
                 self._drop(where)
         if dropped:
+            self.notify_removed([key for key, _ in dropped])
             await self.run_blocking(self._log_deletions, dropped)
         return len(dropped)
 

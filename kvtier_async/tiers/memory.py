@@ -67,8 +67,9 @@ class MemoryTier(SecondaryTierManager):
             if keys[i] in self._blocks:  # stored meanwhile by a concurrent call
                 continue
             while len(self._blocks) >= self.capacity_blocks:
-                self._blocks.popitem(last=False)
+                evicted, _ = self._blocks.popitem(last=False)
                 self.counters["evictions"] += 1
+                self.notify_removed([evicted])
             self._blocks[keys[i]] = copy
         return [key in self._blocks for key in keys]
 
@@ -94,7 +95,9 @@ class MemoryTier(SecondaryTierManager):
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         # docstring inherited
-        return sum(self._blocks.pop(key, None) is not None for key in keys)
+        removed = [key for key in keys if self._blocks.pop(key, None) is not None]
+        self.notify_removed(removed)
+        return len(removed)
 
     def backend_stats(self) -> dict[str, Any]:
         return {

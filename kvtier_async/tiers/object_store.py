@@ -173,6 +173,7 @@ class ObjectStoreTier(SecondaryTierManager):
         held = [key for key, present in zip(keys, await self.contains(keys)) if present]
         if held:
             await self._bounded(obstore.delete_async(self._store, [self.object_name(k) for k in held]))
+            self.notify_removed(held)
         return len(held)
 
     def backend_stats(self) -> dict[str, Any]:

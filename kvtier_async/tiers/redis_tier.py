@@ -209,7 +209,10 @@ class RedisTier(SecondaryTierManager):
             for name in names:
                 pipe.delete(name)
 
-        return sum(reply for reply in await self._pipeline(send) if isinstance(reply, int))
+        replies = await self._pipeline(send)
+        removed = [key for key, reply in zip(keys, replies) if isinstance(reply, int) and reply > 0]
+        self.notify_removed(removed)
+        return len(removed)
 
     def backend_stats(self) -> dict[str, Any]:
         return {
