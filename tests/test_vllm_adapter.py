@@ -6,7 +6,9 @@ tier where persistence is the point), as a control: a harness bug cannot pass as
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from functools import partial
@@ -330,3 +332,47 @@ def test_the_adapter_is_a_vllm_tier_and_needs_a_nested_tier(tmp_path: Path) -> N
         make_manager([dict(ADAPTER)])
     with pytest.raises(kt.ConfigError, match="locality"):
         make_manager([{**ADAPTER, "tier": {"type": "memory"}, "locality": "MARS"}])
+
+
+def readme_transfer_configs() -> dict[str, dict[str, Any]]:
+    """The `--kv-transfer-config` JSON of each `vllm serve` command in the README, by tier type."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    configs = [json.loads(found) for found in re.findall(r"--kv-transfer-config '(\{.*\})'", text)]
+    return {c["kv_connector_extra_config"]["secondary_tiers"][0]["tier"]["type"]: c for c in configs}
+
+
+@pytest.mark.parametrize("kind", ["fs", "s3", "redis"])
+def test_the_readme_configs_run_through_vllm(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    from vllm.config import KVTransferConfig
+
+    config = KVTransferConfig(**readme_transfer_configs()[kind])  # vLLM's own validation
+    assert config.kv_connector == "OffloadingConnector"
+    extra = config.kv_connector_extra_config
+    (entry,) = extra["secondary_tiers"]
+    tier = dict(entry["tier"])
+    # Only where the servers are changes: this machine's directory, Redis and S3 server.
+    if kind == "fs":
+        tier["root"] = str(tmp_path)
+    elif kind == "s3":
+        endpoint = request.getfixturevalue("s3_server").endpoint
+        tier.update(endpoint=endpoint, bucket=S3_BUCKET, **S3_CREDENTIALS)
+    else:
+        tier["url"] = request.getfixturevalue("redis_server").url
+    if kind != "fs":
+        tier["prefix"] += uuid.uuid4().hex  # every test its own names on the shared server
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    engine = Engine(make_manager([{**entry, "tier": tier}], chunks=16))  # 16 rows, not the README's 64 GiB
+    keys = chunk_keys(9, 4)
+    payloads = random_rows(keys, engine.row_bytes, seed=9)
+    ctx = engine.new_request()
+    engine.store(ctx, payloads)
+    engine.finish(ctx)
+    engine.settle()
+    engine.reset_cache()
+    ctx = engine.new_request()
+    assert engine.lookup_until_settled(ctx, keys)[-1] == [HIT] * 4
+    assert engine.load(ctx, keys) == payloads
+    engine.finish(ctx)
+    assert engine.shutdown() == []
