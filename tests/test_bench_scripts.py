@@ -99,3 +99,12 @@ def test_metrics_overhead_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     bench("metrics_overhead.py", "--calls", "50", "--repeat", "1", "--json", out)
     assert json.loads(out.read_text())["ratio"] > 0
+
+
+def test_vllm_tiers_bench_runs(tmp_path: Path) -> None:
+    out = json.loads(
+        bench(
+            "vllm_tiers.py", "--mib", "2", "--chunk-kib", "256", "--rounds", "1", "--dir", tmp_path, "--json"
+        )
+    )
+    assert set(out["ratios"]) == {"store_gbps", "promote_same_gbps", "promote_new_engine_gbps"}
