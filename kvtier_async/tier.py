@@ -330,7 +330,10 @@ class SecondaryTierManager(AsyncResource):
         finally:
             if self._owns_scheduler and self._scheduler is not None:
                 self._scheduler.close()
-            self.primary_kv_view.release()
+            try:
+                self.primary_kv_view.release()  # so that the buffer's owner may unmap it
+            except BufferError:
+                log.error("tier %r: closed, but something still exports its primary view", self.name)
 
     @property
     def closed(self) -> bool:
