@@ -6,6 +6,7 @@ tier where persistence is the point), as a control: a harness bug cannot pass as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_engine import ADAPTER, Engine, chunk_keys, make_manager, offloading_config, random_rows, row_bytes
 
 import kvtier_async as kt
+from kvtier_async.integrations import vllm as vllm_adapter
 from kvtier_async.integrations.vllm import METRICS, KVTierSecondaryTier
 
 HIT, HIT_PENDING, RETRY, MISS = (
@@ -376,3 +378,59 @@ def test_the_readme_configs_run_through_vllm(
     assert engine.load(ctx, keys) == payloads
     engine.finish(ctx)
     assert engine.shutdown() == []
+
+
+def on_loop(adapter: KVTierSecondaryTier, work: Any) -> Any:
+    """Run a coroutine on the adapter's loop, where its tier lives, and wait for it."""
+    return asyncio.run_coroutine_threadsafe(work, adapter._loop).result()
+
+
+async def close_gate(gate: asyncio.Event) -> None:
+    gate.clear()
+
+
+async def open_gate(gate: asyncio.Event) -> None:
+    gate.set()
+
+
+def gated_engine() -> tuple[Engine, KVTierSecondaryTier, Any]:
+    import probe_tier  # noqa: F401  loaded by module_path, as a user's tier is
+
+    engine = Engine(make_manager(ours({"type": "ProbeTier", "module_path": "probe_tier"})))
+    (adapter,) = engine.manager.secondary_tiers
+    return engine, adapter, adapter._tier
+
+
+def test_a_chunk_being_stored_is_retry_until_its_store_lands() -> None:
+    engine, adapter, probe = gated_engine()
+    on_loop(adapter, close_gate(probe.gates["write"]))
+    key = chunk_keys(10, 1)[0]
+    ctx = engine.new_request()
+    engine.store(ctx, random_rows([key], engine.row_bytes, seed=10))
+    on_loop(adapter, probe.until(lambda: probe.held["write"] == 1))
+    other = engine.new_request()
+    with engine.manager.lock:
+        assert adapter.lookup(key, other) is RETRY  # neither hit nor miss while it is written
+        assert adapter.has_pending_work()
+    on_loop(adapter, open_gate(probe.gates["write"]))
+    engine.settle()
+    with engine.manager.lock:
+        assert adapter.lookup(key, other) is HIT
+    engine.finish(ctx)
+    engine.finish(other)
+    assert engine.shutdown() == []
+
+
+def test_shutdown_with_a_store_stuck_cancels_it_and_still_unmaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_adapter, "SHUTDOWN_GRACE_S", 0.0)  # do not wait for the stuck store
+    engine, adapter, probe = gated_engine()
+    on_loop(adapter, close_gate(probe.gates["write"]))
+    ctx = engine.new_request()
+    engine.store(ctx, random_rows(chunk_keys(11, 2), engine.row_bytes, seed=11))
+    on_loop(adapter, probe.until(lambda: probe.held["write"] == 1))
+    assert engine.shutdown() == []
+    assert [r.success for r in adapter.get_finished_jobs()] == [False]  # reported, as a failure
+    assert not adapter._thread.is_alive()
+    with pytest.raises(kt.ClosedError):
+        adapter.lookup(chunk_keys(11, 1)[0], ctx)
+    adapter.shutdown()  # twice is harmless
