@@ -10,7 +10,10 @@ A slot is in one of three states:
 
 `filling` slots are invisible to `lookup`; only their owner, which holds a pin,
 touches them. A `ready` slot with no pins sits in the LRU and may be evicted
-to make room; a pinned slot is never evicted or reused.
+to make room; a pinned slot is never evicted or reused. A transition that does
+not fit the slot's state (allocating a key already held, unpinning an unpinned
+slot, publishing a slot that is not filling) raises `SlotStateError` before
+changing anything: these are bugs, caught by real checks, not `assert`s.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ import torch
 
 from .spec import ALIGNMENT, OffloadingSpec
 
-__all__ = ["PrimaryTier", "reserve_host_memory"]
+__all__ = ["PrimaryTier", "SlotStateError", "reserve_host_memory"]
+
+
+class SlotStateError(RuntimeError):
+    """A primary-tier transition that does not fit the slot's state: a bug in the caller."""
 
 
 #: madvise(2) advice that faults in every page of a range for writing (Linux >= 5.14).
@@ -88,14 +95,14 @@ class PrimaryTier:
         self.pinned = False
         self.resident = False
         self._mapping = reserve_host_memory(self.num_slots * self.stride)
-        flat = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        assert flat.data_ptr() % ALIGNMENT == 0
+        flat = torch.frombuffer(self._mapping, dtype=torch.uint8)  # mmap memory: page-aligned
         self.view = memoryview(self._mapping)
         #: `[num_slots, block_stride]` uint8; row i is slot i.
         self.buffer = flat.view(self.num_slots, self.stride)
         self._empty_slots()
         self.evictions = 0
-        #: Called whenever a slot may have become allocatable (unpinned or freed).
+        #: Called whenever a slot may have become allocatable (unpinned or freed) and whenever a
+        #: filling slot's key became ready or gone (published or aborted): what waiters wait for.
         self.on_release: Callable[[], None] | None = None
         if resident:
             self.make_resident()
@@ -174,15 +181,19 @@ class PrimaryTier:
 
     def unpin(self, slot: int) -> None:
         pins = self._pins[slot]
-        assert pins > 0, f"slot {slot} is not pinned"
+        if pins <= 0:
+            raise SlotStateError(f"slot {slot} is not pinned")
         self._pins[slot] = pins - 1
         if pins == 1:
             self._pinned_slots -= 1
             key = self._key_of.get(slot)
             if key is not None and self._ready.get(key) == slot:
                 self._lru[slot] = None
-            if self.on_release is not None:
-                self.on_release()
+            self._notify()
+
+    def _notify(self) -> None:
+        if self.on_release is not None:
+            self.on_release()
 
     def acquire(self, key: bytes) -> int | None:
         """Pin and return the ready slot of `key` (marking it recently used), or None."""
@@ -196,7 +207,8 @@ class PrimaryTier:
 
         Returns None when every slot is pinned. `key` must be neither ready nor filling.
         """
-        assert key not in self._ready and key not in self._filling, "key already held"
+        if key in self._ready or key in self._filling:
+            raise SlotStateError(f"key {key.hex()[:16]}... is already held in the primary tier")
         if self._free:
             slot = self._free.pop()
         elif self._lru:
@@ -212,20 +224,29 @@ class PrimaryTier:
 
     def publish(self, slot: int) -> None:
         """A filling slot's bytes are complete: make its key visible. The pin stays."""
-        key = self._key_of[slot]
+        key = self._filling_key(slot)
         del self._filling[key]
         self._ready[key] = slot
+        self._notify()  # a load waiting for this key can take it now
 
     def abort(self, slot: int) -> None:
         """Give back a filling slot whose bytes never became complete; drops its pin."""
-        key = self._key_of.pop(slot)
+        key = self._filling_key(slot)
+        if self._pins[slot] != 1:
+            pins = self._pins[slot]
+            raise SlotStateError(f"slot {slot} is pinned {pins} times; only its filler may abort it")
+        del self._key_of[slot]
         del self._filling[key]
-        assert self._pins[slot] == 1, "an aborted slot is pinned only by its owner"
         self._pins[slot] = 0
         self._pinned_slots -= 1
         self._free.append(slot)
-        if self.on_release is not None:
-            self.on_release()
+        self._notify()
+
+    def _filling_key(self, slot: int) -> bytes:
+        key = self._key_of.get(slot)
+        if key is None or self._filling.get(key) != slot:
+            raise SlotStateError(f"slot {slot} is not filling")
+        return key
 
     def stats(self) -> dict[str, int]:
         return {

@@ -68,8 +68,9 @@ class Lane:
 
     def release(self, amount: int = 1) -> None:
         """Give `amount` back; it passes straight on to the best live waiters that now fit."""
+        if amount > self.inflight:
+            raise RuntimeError(f"lane {self.name}: releasing {amount} of {self.inflight} held")
         self.inflight -= amount
-        assert self.inflight >= 0
         self._admit_waiters()
 
     def _admit_waiters(self) -> None:
@@ -95,8 +96,9 @@ class Lane:
         return granted
 
     def release_pending(self, blocks: int) -> None:
+        if blocks > self.pending_blocks:
+            raise RuntimeError(f"lane {self.name}: releasing {blocks} of {self.pending_blocks} pending")
         self.pending_blocks -= blocks
-        assert self.pending_blocks >= 0
 
     def _take(self, amount: int) -> None:
         self.inflight += amount
