@@ -19,6 +19,7 @@ the shorter; otherwise the running worker keeps the CPU to the end of its slice
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import platform
@@ -60,8 +61,10 @@ async def wait_uncancellable(future: asyncio.Future[T]) -> T:
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError as exc:
-            if not future.done():
-                cancelled = exc  # we were cancelled, the work was not: keep waiting
+            # Ours, unless the work itself was cancelled (then future.result() raises it below).
+            # Kept even if the work has just finished: a cancelled call must raise, always.
+            if not future.cancelled():
+                cancelled = exc
         except BaseException:
             pass  # the work's own error: future.result() below raises it
     if cancelled is not None:
@@ -124,9 +127,18 @@ def _started_executor(threads: int, name: str) -> ThreadPoolExecutor:
 
     def settle() -> None:
         _lower_priority()
-        barrier.wait()
+        with contextlib.suppress(threading.BrokenBarrierError):  # a sibling failed to start
+            barrier.wait()
 
-    for job in wait([executor.submit(settle) for _ in range(threads)]).done:
+    jobs = []
+    try:
+        for _ in range(threads):
+            jobs.append(executor.submit(settle))  # raises if no thread can start (interpreter exit)
+    except BaseException:
+        barrier.abort()  # the threads already started stop waiting for the rest
+        executor.shutdown(wait=False)
+        raise
+    for job in wait(jobs).done:
         job.result()
     return executor
 
