@@ -144,6 +144,7 @@ class TieredKVCache(AsyncResource):
             raise
         self.counters: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
+        self._store_slots = 0  # primary slots held by stores: copying, or waiting for the tiers
         # Releases of primary slots, counted, so a load that found every slot pinned can
         # wait for "a release since I looked" without missing one.
         self._releases = 0
@@ -226,14 +227,18 @@ class TieredKVCache(AsyncResource):
             copy_keys: list[bytes] = []
             copy_ids: list[int] = []
             slots: list[int] = []
+            filled_elsewhere = False
             i = pos
             while i < end:
                 key = keys[i]
                 held = self.primary.acquire(key)
                 if held is not None:
                     self.primary.unpin(held)  # marks it recently used
-                elif not self.primary.is_filling(key):
-                    slot = self.primary.allocate(key)
+                elif self.primary.is_filling(key):
+                    filled_elsewhere = True  # accepted only once its filler has published it
+                    break
+                else:
+                    slot = self._allocate_for_store(key)
                     if slot is None:
                         break
                     copy_keys.append(key)
@@ -244,9 +249,14 @@ class TieredKVCache(AsyncResource):
                 cascade = await self._fill_and_cascade(copy_keys, copy_ids, slots)
                 if cascade is not None:
                     own_cascades.add(cascade)
-            if i == pos:
-                # Every slot is pinned. Our own earlier chunks will free some; others'
-                # work is not waited for (stores are best effort).
+            if filled_elsewhere and i == pos:
+                # Another call is filling this key (copying it from a device or a tier). Its
+                # outcome decides: published, it is accepted; aborted, we copy it ourselves.
+                await self._until_not_filling(keys[i])
+            elif i == pos:
+                # No slot to be had: every slot is pinned, or accepted stores hold as many as
+                # they may. Our own earlier chunks will free some; others' work is not waited
+                # for (stores are best effort).
                 own_cascades = {task for task in own_cascades if not task.done()}
                 if not own_cascades:
                     break
@@ -256,12 +266,31 @@ class TieredKVCache(AsyncResource):
         self.counters["store_rejected_blocks"] += len(keys) - pos
         return pos
 
+    def _allocate_for_store(self, key: bytes) -> int | None:
+        """A filling slot for a store, within the slots stores may hold (see `store_slots`)."""
+        if self._store_slots >= self.limits.store_slots:
+            return None
+        slot = self.primary.allocate(key)
+        if slot is not None:
+            self._store_slots += 1
+        return slot
+
+    def _unpin_stored(self, slots: list[int]) -> None:
+        self._store_slots -= len(slots)
+        for slot in slots:
+            self.primary.unpin(slot)
+
+    async def _until_not_filling(self, key: bytes) -> None:
+        while self.primary.is_filling(key):
+            await self._wait_for_release(self._releases)
+
     async def _fill_and_cascade(
         self, keys: list[bytes], device_ids: list[int], slots: list[int]
     ) -> asyncio.Task[None] | None:
         try:
             await self.copy_engine.to_host(device_ids, slots)
         except BaseException:
+            self._store_slots -= len(slots)
             for slot in slots:
                 self.primary.abort(slot)
             raise
@@ -269,8 +298,7 @@ class TieredKVCache(AsyncResource):
             self.primary.publish(slot)
         self.counters["bytes_to_host"] += len(slots) * self.spec.block_nbytes
         if not self.tiers:
-            for slot in slots:
-                self.primary.unpin(slot)
+            self._unpin_stored(slots)
             return None
         task = asyncio.ensure_future(self._cascade(keys, slots))
         self._background.add(task)
@@ -287,8 +315,7 @@ class TieredKVCache(AsyncResource):
             self.counters["cascade_errors"] += 1
             log.exception("writing %d blocks to the secondary tiers failed", len(keys))
         finally:
-            for slot in slots:
-                self.primary.unpin(slot)
+            self._unpin_stored(slots)
 
     async def flush(self) -> None:
         """Wait until every accepted store has reached every secondary tier (or failed there)."""
@@ -365,17 +392,21 @@ class TieredKVCache(AsyncResource):
             await self._load(keys, ids, progress, priority)
             return progress[0]
         task = asyncio.ensure_future(self._load(keys, ids, progress, priority))
+        ours: asyncio.CancelledError | None = None
         try:
             await asyncio.wait({task}, timeout=timeout)
-        finally:
-            if not task.done():
-                task.cancel()
-                self.counters["deadline_misses"] += 1
-            try:
-                await wait_uncancellable(task)
-            except asyncio.CancelledError:
-                if not task.cancelled():
-                    raise  # we were cancelled from outside
+        except asyncio.CancelledError as exc:
+            ours = exc
+        if not task.done() and ours is None:
+            self.counters["deadline_misses"] += 1  # the deadline, not the caller, ends it
+        task.cancel()
+        # The load winds down (its copies finish, its pins go back) whoever stopped it; a
+        # caller cancelled at any point meanwhile gets its cancellation, always.
+        ours = await _settle(task) or ours
+        if ours is not None:
+            raise ours
+        if not task.cancelled():
+            task.result()  # the load's own error, if any
         return progress[0]
 
     async def _load(
@@ -405,18 +436,20 @@ class TieredKVCache(AsyncResource):
                 pos = starts[head]
                 end = starts[head + 1] if head + 1 < len(starts) else len(keys)
                 staged = await self._staged_result(ahead.pop(head))
-                short = staged.cut < end - pos or staged.then is not _Then.GO_ON
-                if short:
-                    await self._give_back(ahead)  # gathered on a guess that no longer holds
                 copy = None
                 if ids is not None and staged.cut:
                     prefix = [slot for slot in staged.slots[: staged.cut] if slot is not None]
                     copy = asyncio.ensure_future(
                         self.copy_engine.to_device(prefix, ids[pos : pos + staged.cut])
                     )
+                # Handed over before the next await: from here the `finally` below releases it.
                 previous, inflight = inflight, _InFlight(staged, copy, pos + staged.cut)
-                if previous is not None:
-                    await self._finish(previous, progress)
+                try:
+                    if staged.cut < end - pos or staged.then is not _Then.GO_ON:
+                        await self._give_back(ahead)  # gathered on a guess that no longer holds
+                finally:
+                    if previous is not None:
+                        await self._finish(previous, progress)
                 if staged.then is _Then.STOP:
                     break
                 if staged.cut < end - pos:
@@ -501,12 +534,22 @@ class TieredKVCache(AsyncResource):
             if misses:
                 # 2. where each miss is; slots for those before the first that is nowhere
                 sources = await self._locate([keys[pos + j] for j in misses])
+                # Other calls ran while we located: a miss may be ready or filling by now.
                 by_tier: dict[int, list[int]] = {}
                 for j, source in zip(misses, sources):
+                    key = keys[pos + j]
+                    hit = primary.acquire(key)
+                    if hit is not None:
+                        staged.slots[j] = hit  # published meanwhile: a primary hit now
+                        continue
+                    if primary.is_filling(key):
+                        cut, staged.then = j, _Then.WAIT  # its filler will publish or abort it
+                        staged.releases_seen = self._releases
+                        break
                     if source is None:
                         cut, staged.then = j, _Then.STOP
                         break
-                    slot = primary.allocate(keys[pos + j])
+                    slot = primary.allocate(key)
                     if slot is None:
                         cut = j  # every slot is pinned: go on (or wait) from here
                         break
@@ -522,8 +565,7 @@ class TieredKVCache(AsyncResource):
                 ok = await self._promote(keys, pos, staged.slots, by_tier, priority)
                 for j in sorted(ok):
                     slot = staged.slots[j]
-                    assert slot is not None
-                    if ok[j]:
+                    if ok[j] and slot is not None:  # every promoted j has its slot
                         primary.publish(slot)
                         staged.filling.discard(slot)  # promoted, kept even past the cut
                     elif j < cut:
@@ -593,18 +635,21 @@ class TieredKVCache(AsyncResource):
             return
         self._closed = True
         try:
+            # The calls in flight first: a store still running starts background writes of
+            # its own, which must reach the tiers before they close.
+            await self._calls.wait_until_none()
             await self.flush()
         finally:
-            # If flushing was cancelled, the background writes are too; either way the
+            # If waiting was cancelled, the background writes are too; either way the
             # closing itself runs to its end.
             for task in self._background:
                 task.cancel()
             await wait_uncancellable(asyncio.ensure_future(self._close_all()))
 
     async def _close_all(self) -> None:
-        if self._background:
-            await asyncio.wait(set(self._background))
         await self._calls.wait_until_none()
+        while self._background:
+            await asyncio.wait(set(self._background))
         try:
             for tier in self.tiers:
                 await tier.aclose()

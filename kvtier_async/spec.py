@@ -44,6 +44,10 @@ class SchedulerLimits:
     """Blocks handed to one `write_blocks` / `read_blocks` call."""
     chunk_blocks: int
     """Blocks one step of a cache `store` / `load` moves through the primary tier."""
+    store_slots: int
+    """Primary slots that a cache's stores may hold at once (copying from the device, then
+    pinned until every secondary tier has written them). Beyond it stores are not accepted, so
+    loads always find room even while a tier stalls."""
 
 
 def _check_positive_int(name: str, value: object, *, optional: bool = False) -> None:
@@ -165,6 +169,7 @@ class OffloadingSpec:
             max_inflight_bytes=self.max_inflight_bytes or every_lane_full,
             batch_blocks=batch_blocks,
             chunk_blocks=chunk_blocks,
+            store_slots=max(1, self.num_cpu_blocks // 2),
         )
 
     @classmethod
