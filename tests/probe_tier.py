@@ -61,12 +61,14 @@ class ProbeTier(MemoryTier):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
-        self.gates = {"read": asyncio.Event(), "write": asyncio.Event()}
+        directions = ("read", "write", "contains", "open")
+        self.gates = {direction: asyncio.Event() for direction in directions}
         for gate in self.gates.values():
             gate.set()
-        self.running = {"read": 0, "write": 0}
-        self.max_running = {"read": 0, "write": 0}
-        self.held = {"read": 0, "write": 0}  # calls waiting at a gate now
+        self.running = dict.fromkeys(directions, 0)
+        self.max_running = dict.fromkeys(directions, 0)
+        self.held = dict.fromkeys(directions, 0)  # calls waiting at a gate now
+        self.opens = self.closes = 0  # open_backend / close_backend calls that completed
         self.key_reads: Counter[bytes] = Counter()
         self.key_writes: Counter[bytes] = Counter()
         self.changed = asyncio.Event()
@@ -77,8 +79,8 @@ class ProbeTier(MemoryTier):
             await self.changed.wait()
 
     async def _through_gate(self, direction: str, keys: Sequence[bytes]) -> None:
-        counter = self.key_reads if direction == "read" else self.key_writes
-        counter.update(keys)
+        if direction in ("read", "write"):
+            (self.key_reads if direction == "read" else self.key_writes).update(keys)
         self.running[direction] += 1
         self.max_running[direction] = max(self.max_running[direction], self.running[direction])
         self.held[direction] += 1
@@ -106,3 +108,22 @@ class ProbeTier(MemoryTier):
             return await super().write_blocks(keys, blocks)
         finally:
             self._done("write")
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            await self._through_gate("contains", keys)
+            return await super().contains(keys)
+        finally:
+            self._done("contains")
+
+    async def open_backend(self) -> None:
+        try:
+            await self._through_gate("open", ())
+        finally:
+            self._done("open")
+        self.opens += 1
+        self.changed.set()
+
+    async def close_backend(self) -> None:
+        self.closes += 1
+        self.changed.set()
