@@ -93,8 +93,11 @@ async def test_50_loads_of_one_prefix_through_a_slow_tier(run: int) -> None:
         (probe,) = cache.tiers
         prefix = documents(1, 8)[0]
         await into_tier_only(cache, probe, prefix)
-        probe.gates["read"].clear()  # the tier is slow to answer
+        probe.gates["contains"].clear()  # the tier is slow to answer: lookups,
+        probe.gates["read"].clear()  # and reads
         loads = [asyncio.ensure_future(cache.load(prefix, list(range(r * 8, r * 8 + 8)))) for r in range(50)]
+        await probe.until(lambda: probe.held["contains"] >= 50)  # the loads are locating the prefix
+        probe.gates["contains"].set()
         await probe.until(lambda: probe.held["read"] >= 1)
         probe.gates["read"].set()
         assert await guarded(asyncio.gather(*loads)) == [8] * 50
