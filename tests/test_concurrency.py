@@ -298,7 +298,7 @@ def test_a_worker_thread_that_cannot_start_does_not_hang_the_others(monkeypatch:
 
 # -- randomized --------------------------------------------------------------------------------------
 REGRESSION_SEEDS: list[int] = []  # seeds that once failed, kept once fixed
-SEEDS = REGRESSION_SEEDS + list(range(int(os.environ.get("KVTIER_CONCURRENCY_SEEDS", "12"))))
+SEEDS = REGRESSION_SEEDS + list(range(int(os.environ.get("KVTIER_CONCURRENCY_SEEDS", "50"))))
 
 
 async def random_mix(seed: int, root: Path) -> None:
