@@ -102,10 +102,7 @@ def test_store_reset_then_promotion_is_byte_exact(any_tier: list[dict[str, Any]]
     engine = Engine(make_manager(any_tier))
     keys = chunk_keys(1, 8)
     payloads = random_rows(keys, engine.row_bytes, seed=1)
-    ctx = engine.new_request()
-    assert engine.store(ctx, payloads) == keys
-    engine.finish(ctx)
-    engine.settle()  # the cascade to the secondary tier lands
+    engine.offload(payloads)
     engine.reset_cache()  # the primary tier is empty now
 
     ctx = engine.new_request()
@@ -126,10 +123,7 @@ def test_a_new_engine_finds_what_the_last_one_stored(persistent: list[dict[str, 
     first = Engine(make_manager(persistent))
     keys = chunk_keys(2, 6)
     payloads = random_rows(keys, first.row_bytes, seed=2)
-    ctx = first.new_request()
-    first.store(ctx, payloads)
-    first.finish(ctx)
-    first.settle()
+    first.offload(payloads)
     assert first.shutdown() == []
 
     second = Engine(make_manager(persistent))
@@ -259,10 +253,7 @@ def test_placement_and_backpressure_follow_the_wrapped_tier(
     assert isinstance(fs.bp_detector, EMABackpressureDetector) and redis.bp_detector is None
     engine = Engine(manager)
     for n in range(12):  # past the detector's warm-up: its EMA is fed our transfer times and bytes
-        ctx = engine.new_request()
-        engine.store(ctx, random_rows(chunk_keys(100 + n, 1), engine.row_bytes, seed=n))
-        engine.finish(ctx)
-        engine.settle()
+        engine.offload(random_rows(chunk_keys(100 + n, 1), engine.row_bytes, seed=n))
     assert fs.bp_detector.store_latency_ema > 0
     assert engine.shutdown() == []
 
@@ -278,10 +269,7 @@ def test_metrics_register_at_engine_start_and_carry_our_counters(tmp_path: Path)
     # What the engine's stat logger does at start-up: the spec class names every metric and label.
     prom = OffloadPromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]})  # type: ignore[arg-type]
     engine = Engine(OffloadingSpecFactory.create_spec(config).get_manager())
-    ctx = engine.new_request()
-    engine.store(ctx, random_rows(chunk_keys(8, 4), engine.row_bytes, seed=8))
-    engine.finish(ctx)
-    engine.settle()
+    engine.offload(random_rows(chunk_keys(8, 4), engine.row_bytes, seed=8))
     with engine.manager.lock:
         stats = engine.manager.get_stats()
         stats.set_info(engine.manager.config_info())
@@ -368,10 +356,7 @@ def test_the_readme_configs_run_through_vllm(
     engine = Engine(make_manager([{**entry, "tier": tier}], chunks=16))  # 16 rows, not the README's 64 GiB
     keys = chunk_keys(9, 4)
     payloads = random_rows(keys, engine.row_bytes, seed=9)
-    ctx = engine.new_request()
-    engine.store(ctx, payloads)
-    engine.finish(ctx)
-    engine.settle()
+    engine.offload(payloads)
     engine.reset_cache()
     ctx = engine.new_request()
     assert engine.lookup_until_settled(ctx, keys)[-1] == [HIT] * 4

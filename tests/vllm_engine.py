@@ -140,6 +140,13 @@ class Engine:
             self.manager.complete_store(out.keys_to_store, ctx)
         return list(out.keys_to_store)
 
+    def offload(self, payloads: dict[OffloadKey, bytes]) -> None:
+        """A request that computed these rows: stored, finished, and the cascade to the tiers landed."""
+        ctx = self.new_request()
+        assert self.store(ctx, payloads) == list(payloads), "the primary tier took only some"
+        self.finish(ctx)
+        self.settle()
+
     def lookup(self, ctx: ReqContext, keys: Sequence[OffloadKey]) -> list[LookupResult]:
         """One scheduler pass over a prefix (it keeps scanning past RETRY, stops at a MISS)."""
         results = []
