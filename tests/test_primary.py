@@ -96,3 +96,32 @@ def test_pinning_registers_the_buffer_with_cuda_and_unregisters_it(monkeypatch: 
     assert calls == [("register", address, 3 * 8192)]
     primary.release_memory()
     assert not primary.pinned and calls[1:] == [("unregister", address, 0)]
+
+
+def test_transitions_that_do_not_fit_the_slot_state_are_refused_before_any_change(
+    primary: kt.PrimaryTier,
+) -> None:
+    # Real checks, not asserts: they hold under python -O too (test_concurrency runs it so).
+    from kvtier_async.primary import SlotStateError
+
+    slot = primary.allocate(b"a")
+    assert slot is not None
+    before = primary.stats()
+    with pytest.raises(SlotStateError, match="already held"):
+        primary.allocate(b"a")  # filling
+    primary.pin(slot)
+    with pytest.raises(SlotStateError, match="only its filler"):
+        primary.abort(slot)  # someone else pinned it
+    primary.unpin(slot)
+    assert primary.stats() == before
+    primary.publish(slot)
+    with pytest.raises(SlotStateError, match="already held"):
+        primary.allocate(b"a")  # ready
+    with pytest.raises(SlotStateError, match="not filling"):
+        primary.publish(slot)
+    with pytest.raises(SlotStateError, match="not filling"):
+        primary.abort(slot)
+    primary.unpin(slot)
+    with pytest.raises(SlotStateError, match="not pinned"):
+        primary.unpin(slot)
+    assert primary.lookup(b"a") == slot and primary.pinned_slots == 0
