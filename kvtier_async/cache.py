@@ -463,9 +463,13 @@ class TieredKVCache(AsyncResource):
                     await self._finish(done, progress)
                     await self._wait_for_release(staged.releases_seen)
         finally:
-            await self._give_back(ahead)
-            if inflight is not None:
-                await self._finish(inflight, progress)
+            # Both run, even if the first raises a cancellation (a load can be cancelled twice:
+            # by its deadline, then by its caller).
+            try:
+                await self._give_back(ahead)
+            finally:
+                if inflight is not None:
+                    await self._finish(inflight, progress)
 
     async def _give_back(self, ahead: dict[int, asyncio.Future[_Staged]]) -> None:
         """Cancel chunks gathered ahead and release what they hold; runs to its end."""

@@ -297,8 +297,10 @@ def test_a_worker_thread_that_cannot_start_does_not_hang_the_others(monkeypatch:
 
 
 # -- randomized --------------------------------------------------------------------------------------
-REGRESSION_SEEDS: list[int] = []  # seeds that once failed, kept once fixed
-SEEDS = REGRESSION_SEEDS + list(range(int(os.environ.get("KVTIER_CONCURRENCY_SEEDS", "50"))))
+# Seeds that once failed, kept once fixed. 9: a load cancelled by its deadline and then by its
+# caller skipped releasing its chunk in flight (pins left behind).
+REGRESSION_SEEDS = [9]
+SEEDS = sorted({*REGRESSION_SEEDS, *range(int(os.environ.get("KVTIER_CONCURRENCY_SEEDS", "50")))})
 
 
 async def random_mix(seed: int, root: Path) -> None:
