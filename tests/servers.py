@@ -40,11 +40,27 @@ def _is_free(port: int) -> bool:
         return True
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+EPHEMERAL_LOW = _ephemeral_low()  # read at import: free_port is also called on a running loop
+
+
 def free_port() -> int:
-    """A free port below 55536 whose cluster-bus port (+10000) is free too."""
+    """A free port whose cluster-bus port (+10000) is free too, both below the ephemeral range.
+
+    Below it, because a test that kills a server and restarts it on the same port would
+    otherwise race the clients reconnecting meanwhile: the kernel may give one of them that very
+    port as its local port, and the server cannot bind it again.
+    """
     rng = random.Random()
+    high = max(10_001, EPHEMERAL_LOW - 10_001)
     while True:
-        port = rng.randint(20000, 55000)
+        port = rng.randint(10_000, high)
         if _is_free(port) and _is_free(port + 10000):
             return port
 
