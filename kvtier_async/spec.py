@@ -19,6 +19,15 @@ __all__ = ["ALIGNMENT", "VLLM_SERIES", "OffloadingSpec", "SchedulerLimits", "vll
 #: write them in place.
 ALIGNMENT = 4096
 
+#: The scheduler sizing fields of `OffloadingSpec`: optional, each None or a positive int.
+LIMIT_FIELDS = (
+    "max_inflight_loads",
+    "max_inflight_stores",
+    "max_pending_stores",
+    "io_threads",
+    "max_inflight_bytes",
+)
+
 # Soft targets the defaults are derived from (documented in the README).
 _BATCH_TARGET_BYTES = 16 << 20  # bytes handed to one write_blocks/read_blocks call
 _CHUNK_TARGET_BYTES = 64 << 20  # bytes one pipeline step of the cache moves
@@ -114,13 +123,7 @@ class OffloadingSpec:
         _check_positive_int("block_nbytes", self.block_nbytes)
         _check_positive_int("num_cpu_blocks", self.num_cpu_blocks)
         _check_positive_int("block_size", self.block_size)
-        for name in (
-            "max_inflight_loads",
-            "max_inflight_stores",
-            "max_pending_stores",
-            "io_threads",
-            "max_inflight_bytes",
-        ):
+        for name in LIMIT_FIELDS:
             _check_positive_int(name, getattr(self, name), optional=True)
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"OffloadingSpec.namespace must be a non-empty str, got {self.namespace!r}")
@@ -211,9 +214,9 @@ class OffloadingSpec:
                 f"from_vllm: a primary view of {num_chunks} rows of {row_stride} bytes; "
                 f"rows must be a multiple of {ALIGNMENT} bytes apart"
             )
-        unknown = sorted(set(limits) - _LIMIT_FIELDS)
+        unknown = sorted(set(limits) - set(LIMIT_FIELDS))
         if unknown:
-            raise ConfigError(f"from_vllm: unknown limits {unknown}; known: {sorted(_LIMIT_FIELDS)}")
+            raise ConfigError(f"from_vllm: unknown limits {unknown}; known: {sorted(LIMIT_FIELDS)}")
         fields: dict[str, Any] = {
             "block_nbytes": row_stride,
             "num_cpu_blocks": num_chunks,
@@ -264,9 +267,6 @@ class OffloadingSpec:
 
 #: The vLLM release series whose `OffloadingSpec` `from_vllm` reads.
 VLLM_SERIES = "0.33"
-_LIMIT_FIELDS = frozenset(
-    {"io_threads", "max_inflight_loads", "max_inflight_stores", "max_pending_stores", "max_inflight_bytes"}
-)
 
 
 def _vllm_field(obj: Any, path: str) -> Any:
