@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
+import servers
 from blockbuster import BlockBuster, blockbuster_ctx
 
 
@@ -34,3 +35,24 @@ def blockbuster(request: pytest.FixtureRequest) -> Iterator[BlockBuster | None]:
 
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "slow: a longer end-to-end test")
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisServer]:
+    """A redis-server on loopback for one test module (tests name their keys apart)."""
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = servers.RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[servers.S3Server]:
+    """moto's S3 server on loopback for one test module, with `servers.S3_BUCKET` created."""
+    server = servers.S3Server()
+    server.start()
+    server.create_bucket(servers.S3_BUCKET)
+    yield server
+    server.stop()

@@ -170,6 +170,11 @@ class RedisCluster:
             node.stop()
 
 
+#: The bucket the shared `s3_server` fixture creates, and moto's test credentials.
+S3_BUCKET = "kvtier-test"
+S3_CREDENTIALS = {"access_key_id": "testing-key", "secret_access_key": "testing-secret-value"}
+
+
 class S3Server:
     """moto in server mode: a real HTTP endpoint speaking the S3 wire protocol, in memory.
 

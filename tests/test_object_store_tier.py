@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,8 @@ import kvtier_async as kt
 import kvtier_async.tiers.object_store  # imported up front: a first import reads files
 from kvtier_async.testing import TierContractTests, make_key
 
-BUCKET = "kvtier-test"
-CREDENTIALS = {"access_key_id": "testing-key", "secret_access_key": "testing-secret-value"}
-
-
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[servers.S3Server]:
-    server = servers.S3Server()
-    server.start()
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
+BUCKET = servers.S3_BUCKET
+CREDENTIALS = servers.S3_CREDENTIALS
 
 
 def config(endpoint: str, **kwargs: Any) -> dict[str, Any]:

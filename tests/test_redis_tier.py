@@ -23,14 +23,6 @@ pytestmark = servers.needs_redis
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisServer]:
-    server = servers.RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisCluster]:
     cluster = servers.RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
     cluster.start()

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,27 +42,7 @@ HIT, HIT_PENDING, RETRY, MISS = (
     LookupResult.RETRY,
     LookupResult.MISS,
 )
-S3_BUCKET = "kvtier-vllm"
-S3_CREDENTIALS = {"access_key_id": "testing-key", "secret_access_key": "testing-secret-value"}
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisServer]:
-    if servers.REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed")
-    server = servers.RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[servers.S3Server]:
-    server = servers.S3Server()
-    server.start()
-    server.create_bucket(S3_BUCKET)
-    yield server
-    server.stop()
+S3_BUCKET, S3_CREDENTIALS = servers.S3_BUCKET, servers.S3_CREDENTIALS
 
 
 def ours(tier: dict[str, Any]) -> list[dict[str, Any]]:
