@@ -1,4 +1,6 @@
-"""The self-verifying block format shared by tiers that keep blocks outside this process.
+"""The self-verifying block format of the tiers that store a block as one value under a name
+(Redis, object stores); the file-system tier keeps key and checksum in its index instead
+(`tiers/fs_layout.py`).
 
 A stored block is a 4096-byte header followed by the payload:
 
@@ -14,8 +16,7 @@ A stored block is a 4096-byte header followed by the payload:
     176     8     header checksum (XXH3-64 of bytes 0..175)
     184     ...   zero padding to 4096
 
-The payload starts 4096 bytes in, so O_DIRECT can move it straight between
-the file and an aligned primary slot. A block is good only if the header
+The payload starts 4096 bytes in, page-aligned within the value. A block is good only if the header
 checksum, magic, version, namespace, key and length all match what the reader
 expects and the payload hashes to the stored checksum.
 """

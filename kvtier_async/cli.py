@@ -140,14 +140,14 @@ def _fs_command(args: argparse.Namespace) -> int:
     gib = 1 << 30
     if args.fs_command == "stat":
         reports = fs_admin.stat_root(args.root)
-        print(f"{'namespace':<32} {'record':>10} {'blocks':>9} {'slabs':>6} {'on disk':>12}")
+        print(f"{'namespace':<32} {'block':>10} {'blocks':>9} {'slabs':>6} {'in use':>6} {'on disk':>12}")
         for r in reports:
             print(
-                f"{r.namespace:<32} {r.record_bytes:>10} {r.blocks:>9} {r.slabs:>6} "
+                f"{r.namespace:<32} {r.block_nbytes:>10} {r.blocks:>9} {r.slabs:>6} {r.slabs_in_use:>6} "
                 f"{r.bytes_on_disk / gib:>10.3f} GiB"
             )
         print(
-            f"{len(reports)} namespace/record-size groups, "
+            f"{len(reports)} namespace/block-size groups, "
             f"{sum(r.bytes_on_disk for r in reports) / gib:.3f} GiB in all"
         )
         return 0
@@ -167,6 +167,7 @@ def _fs_command(args: argparse.Namespace) -> int:
         print(
             f"{r.namespace}: removed {r.removed_bytes / gib:.3f} GiB, now "
             f"{r.bytes_on_disk / gib:.3f} GiB in {r.slabs} slabs, {r.blocks} blocks"
+            + (f" ({r.slabs_in_use} slabs in use, left to their writers)" if r.slabs_in_use else "")
         )
     return 0
 

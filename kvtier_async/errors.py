@@ -5,7 +5,7 @@
     │   └── ConfigError              (also ValueError) bad OffloadingSpec or tier config
     │       └── UnknownTierError     a tier "type" nobody registered
     ├── ClosedError                  (also RuntimeError) the cache or tier was closed
-    └── NamespaceInUseError          another process holds a file-system tier's root and namespace
+    └── NamespaceInUseError          an older (format-1) process holds a file-system tier's namespace
 
 A missing block is not an error: `load` reports it as a miss. Backend faults
 (I/O errors, a server that is gone) are translated at the tier boundary into
@@ -46,4 +46,5 @@ class ClosedError(KVTierError, RuntimeError):
 
 
 class NamespaceInUseError(KVTierError):
-    """Another process holds this file-system tier's root and namespace; the message names it."""
+    """A format-1 kvtier_async process (one process per root) holds this file-system tier's
+    namespace directory, so it can be neither shared nor rebuilt; the message names the process."""

@@ -16,7 +16,7 @@ def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
-    if sys.platform != "win32":
+    if sys.platform != "win32" and item.get_closest_marker("one_loop") is None:
         import uvloop
 
         factories["uvloop"] = uvloop.new_event_loop
@@ -35,6 +35,7 @@ def blockbuster(request: pytest.FixtureRequest) -> Iterator[BlockBuster | None]:
 
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "slow: a longer end-to-end test")
+    config.addinivalue_line("markers", "one_loop: other processes are the subject: the default loop only")
 
 
 @pytest.fixture(scope="module")

@@ -61,14 +61,24 @@ def test_replay_newest_entry_per_record_wins(tmp_path: Path) -> None:
     assert found.max_seq == 6
 
 
-def test_replay_drops_temporaries_and_ignores_other_record_sizes(tmp_path: Path) -> None:
+def test_replay_changes_nothing_and_ignores_other_block_sizes(tmp_path: Path) -> None:
     write_slab(tmp_path, 0, 2, [encode_entry(1, 0, b"k", 1)])
-    (tmp_path / "slab-8192-000001.kvs.tmp").write_bytes(b"partial")
+    (tmp_path / "slab-8192-000000.idx.tmp").write_bytes(b"a compaction in progress")
     slab_path(tmp_path, 4096 * 3, 0, "kvs").write_bytes(bytes(3 * 4096))
+    before = sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir())
     found = replay(tmp_path, RECORD)
-    assert found.removed_temporaries == 1
     assert list(found.slabs) == [0]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir()) == before
+
+
+def test_the_last_entry_in_the_log_wins_whatever_its_sequence_number(tmp_path: Path) -> None:
+    # Another process's deletion (verify, delete) may carry a lower number than the writer's.
+    write_slab(tmp_path, 0, 2, [encode_entry(9, 0, b"a", 1), encode_entry(3, 0, b"a", 0, deleted=True)])
+    assert replay(tmp_path, RECORD).live == {}
+    write_slab(tmp_path, 0, 2, [encode_entry(9, 0, b"a", 0, deleted=True), encode_entry(3, 0, b"b", 2)])
+    assert replay(tmp_path, RECORD).live == {(0, 0): (b"b", 3, 2)}
+    assert compact_log(slab_path(tmp_path, RECORD, 0, "idx")) == 1
+    assert replay(tmp_path, RECORD).live == {(0, 0): (b"b", 3, 2)}
 
 
 def test_compaction_keeps_only_live_entries(tmp_path: Path) -> None:

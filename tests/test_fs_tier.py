@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,7 @@ async def test_hostile_keys_stay_inside_the_root(tmp_path: Path) -> None:
         assert await h.load_and_check(tier, primary, keys) == [True] * len(keys)
     assert [p.name for p in await asyncio.to_thread(files, tmp_path, "*") if p.parent == tmp_path] == ["root"]
     names = {p.name for p in await asyncio.to_thread(files, root)}
-    assert all(n.startswith(("kvtier-", "slab-")) or n in ("NAMESPACE", "LOCK") for n in names)
+    assert all(n.startswith(("kvtier-", "slab-")) or n in ("NAMESPACE", "FORMAT") for n in names)
 
 
 @pytest.mark.asyncio
@@ -247,14 +248,21 @@ async def test_fsync_mode_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_namespace_is_used_by_one_process_at_a_time(tmp_path: Path) -> None:
-    first, primary = h.make_tier(str(tmp_path))
-    async with first:
-        await h.store_keys(first, primary, [h.key_for(0)])
-        second, primary2 = h.make_tier(str(tmp_path))
-        async with second:
-            assert await h.store_keys(second, primary2, [h.key_for(1)]) == [False]
-            assert second.stats()["errors"] == 1  # reported, not raised
+async def test_two_tiers_on_one_root_share_their_blocks(tmp_path: Path) -> None:
+    # Two tiers in one process hold separate open files, so they share a root as two processes do
+    # (tests/test_fs_processes.py runs real processes).
+    first, primary = h.make_tier(str(tmp_path), refresh_interval_s=0)
+    second, primary2 = h.make_tier(str(tmp_path), refresh_interval_s=0)
+    async with first, second:
+        assert await h.store_keys(first, primary, [h.key_for(0)]) == [True]
+        assert await h.store_keys(second, primary2, [h.key_for(1)]) == [True]
+        assert await h.load_and_check(second, primary2, [h.key_for(0)]) == [True]
+        assert await h.load_and_check(first, primary, [h.key_for(1)]) == [True]
+        assert first.stats()["slabs"] == second.stats()["slabs"] == 1  # one writer per slab
+        assert await second.delete([h.key_for(0)]) == 1
+        third, _ = h.make_tier(str(tmp_path), refresh_interval_s=0)
+        async with third:  # the deletion is in the writer's log: nobody else finds it any more
+            assert await third.contains([h.key_for(0), h.key_for(1)]) == [False, True]
 
 
 def test_bad_config(tmp_path: Path) -> None:
@@ -263,9 +271,58 @@ def test_bad_config(tmp_path: Path) -> None:
         ({"capacity_bytes": 10}, "capacity_bytes"),
         ({"fsync": 1}, "fsync"),
         ({"root": ""}, "root"),
+        ({"refresh_interval_s": -1}, "refresh_interval_s"),
     ):
         with pytest.raises(kt.ConfigError, match=message):
             h.make_tier(**{"root": str(tmp_path), **kwargs})  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def small_tmpfs(where: Path, size: str) -> AsyncIterator[Path]:
+    await asyncio.to_thread(where.mkdir)
+    mounted = await asyncio.to_thread(
+        subprocess.run,
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+    )
+    if os.geteuid() != 0 or mounted.returncode:
+        pytest.skip("mounting a small tmpfs is not permitted here")
+    try:
+        yield where
+    finally:
+        await asyncio.to_thread(subprocess.run, ["umount", str(where)], check=False)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("capacity", [None, 64 << 20])
+async def test_one_store_that_does_not_fit_whole_stores_what_fits(
+    tmp_path: Path, capacity: int | None
+) -> None:
+    # 24 blocks of 256 KiB in one call on a 3 MiB file system: by default the capacity (80% of
+    # the space) bounds it; with a capacity far beyond the disk, the disk does.
+    async with small_tmpfs(tmp_path / "small", "3m") as mount:
+        spec = kt.OffloadingSpec(block_nbytes=256 << 10, num_cpu_blocks=24, namespace="full")
+        primary = kt.PrimaryTier(spec, pin_memory=False)
+        keys = [h.key_for(i) for i in range(24)]
+        payloads = [h.payload_for(k, spec.block_nbytes) for k in keys]
+        for slot, payload in enumerate(payloads):
+            primary.slot_view(slot)[:] = payload
+        tier = kvtier_async.tiers.fs.FileSystemTier(spec, primary.view, root=mount, capacity_bytes=capacity)
+        async with tier:
+            stored = await tier.store(keys, list(range(24)))
+            assert 8 <= sum(stored) < 24, stored
+            primary.buffer.zero_()
+            loaded = await tier.load(keys, list(range(24)))
+            assert loaded == stored
+            assert all(bytes(primary.slot_view(i)) == payloads[i] for i in range(24) if loaded[i])
+            # It keeps serving: new blocks take the room of the oldest.
+            fresh = [h.key_for(100 + i) for i in range(4)]
+            for slot, key in enumerate(fresh):
+                primary.slot_view(slot)[:] = h.payload_for(key, spec.block_nbytes)
+            assert await tier.store(fresh, [0, 1, 2, 3]) == [True] * 4
+            primary.buffer.zero_()
+            assert await tier.load(fresh, [4, 5, 6, 7]) == [True] * 4
+            assert bytes(primary.slot_view(5)) == h.payload_for(fresh[1], spec.block_nbytes)
 
 
 @pytest.mark.asyncio
@@ -365,3 +422,76 @@ async def test_cancelled_stores_leak_no_room(tmp_path: Path) -> None:
         assert await h.store_keys(tier, primary, fresh) == [True] * 8
         assert await tier.contains(fresh) == [True] * 8
         assert await h.load_and_check(tier, primary, fresh) == [True] * 8
+
+
+def format_1_directory(root: Path) -> Path:
+    """A namespace directory as kvtier_async wrote it before format 2 (header before each payload)."""
+    from kvtier_async.tiers.fs_layout import namespace_dir_name
+
+    directory = root / namespace_dir_name("fs-tests")
+    directory.mkdir(parents=True)
+    (directory / "NAMESPACE").write_text("fs-tests\n")
+    (directory / "LOCK").write_text("process 1 on old-host (python old.py)\n")
+    record = 4096 + record_bytes_for(h.BLOCK_NBYTES)
+    (directory / f"slab-{record}-000000.kvs").write_bytes(bytes(4 * record))
+    (directory / f"slab-{record}-000000.idx").write_bytes(bytes(4 * ENTRY))
+    return directory
+
+
+@pytest.mark.asyncio
+async def test_a_format_1_cache_is_rebuilt_and_never_read(tmp_path: Path) -> None:
+    directory = await asyncio.to_thread(format_1_directory, tmp_path)
+    tier, primary = h.make_tier(str(tmp_path))
+    async with tier:
+        await tier.open()
+        assert await tier.contains([h.key_for(0)]) == [False]
+        assert await h.store_keys(tier, primary, [h.key_for(0)]) == [True]
+    names = sorted(p.name for p in await asyncio.to_thread(files, directory))
+    assert names == [
+        "FORMAT",
+        "NAMESPACE",
+        f"slab-{h.BLOCK_NBYTES}-000000.idx",
+        f"slab-{h.BLOCK_NBYTES}-000000.kvs",
+    ]
+    assert (await asyncio.to_thread((directory / "FORMAT").read_text)) == "kvtier-fs 2\n"
+
+
+@pytest.mark.asyncio
+async def test_a_format_1_cache_in_use_by_an_old_process_is_refused_naming_it(tmp_path: Path) -> None:
+    import fcntl
+
+    directory = await asyncio.to_thread(format_1_directory, tmp_path)
+    lock = await asyncio.to_thread(os.open, directory / "LOCK", os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a format-1 tier holds while open
+        tier, _ = h.make_tier(str(tmp_path))
+        async with tier:
+            with pytest.raises(
+                kt.NamespaceInUseError, match=r"format-1 cache in use by process 1 on old-host"
+            ):
+                await tier.open()
+        assert len(await asyncio.to_thread(files, directory)) == 4  # untouched
+    finally:
+        os.close(lock)
+
+
+@pytest.mark.asyncio
+async def test_a_cache_in_a_newer_format_is_refused_and_left_alone(tmp_path: Path) -> None:
+    tier, primary = h.make_tier(str(tmp_path))
+    async with tier:
+        assert await h.store_keys(tier, primary, [h.key_for(0)]) == [True]
+    [directory] = await asyncio.to_thread(files, tmp_path, "kvtier-*")
+    await asyncio.to_thread((directory / "FORMAT").write_text, "kvtier-fs 3\n")
+
+    def listing() -> list[tuple[str, int]]:
+        return sorted((p.name, p.stat().st_size) for p in directory.iterdir())
+
+    before = await asyncio.to_thread(listing)
+    tier, _ = h.make_tier(str(tmp_path))
+    async with tier:
+        with pytest.raises(kt.KVTierError, match=r"another format \('kvtier-fs 3'.*reads 'kvtier-fs 2'"):
+            await tier.open()
+    assert (
+        await asyncio.to_thread(lambda: sorted((p.name, p.stat().st_size) for p in directory.iterdir()))
+        == before
+    )

@@ -1,118 +1,124 @@
-"""`FileSystemTier` (`"fs"`): local NVMe, crash-safe, self-verifying, persistent across restarts.
+"""`FileSystemTier` (`"fs"`): local NVMe, shared by the processes of a host, crash-safe,
+self-verifying, persistent across restarts.
 
-Blocks live as fixed-size records in preallocated slab files (see `fs_layout`
-for the format). Writes and reads go straight between the aligned primary
-slots and the files with O_DIRECT where the file system allows it, one
-`pwritev`/`preadv` per run of neighbouring records, on the scheduler's worker
-threads. The index is in memory, owned by the event-loop thread, and rebuilt
-from the slabs' logs on open.
+Blocks live as bare records in slab files (see `fs_layout` for the format and
+how processes share a directory). Writes and reads go straight between the
+aligned primary slots and the files with O_DIRECT where the file system allows
+it, one `pwritev`/`preadv` per run of neighbouring records, on the scheduler's
+worker threads. The index is in memory, owned by the event-loop thread: the
+slabs this process writes, plus what it has read of the other slabs' logs,
+brought up to date when a lookup misses (at most every `refresh_interval_s`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
 import shutil
-import socket
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..block_format import (
-    HEADER_BYTES,
-    CorruptBlockError,
-    namespace_id,
-    pack_header,
-    payload_checksum,
-    verify_header,
-)
-from ..errors import ConfigError, KVTierError, NamespaceInUseError
+from ..block_format import payload_checksum
+from ..errors import ConfigError, KVTierError
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from .fs_layout import (
-    DIR_MODE,
     ENTRY,
     FILE_MODE,
-    NamespaceDir,
+    Entry,
     compact_log,
     encode_entry,
     is_out_of_space,
-    make_private_dir,
+    latest_per_record,
     namespace_dir_name,
+    prepare_directory,
+    read_log,
     record_bytes_for,
-    replay,
+    reserve_log_room,
+    slab_numbers,
     slab_path,
+    try_flock,
 )
 
-__all__ = ["DEFAULT_CAPACITY_BYTES", "FileSystemTier"]
+__all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_REFRESH_INTERVAL_S", "FileSystemTier"]
 
 log = logging.getLogger(__name__)
 
 #: Default `capacity_bytes`: 64 GiB, but never more than 80% of what the file
 #: system can give us (free space plus what this namespace already holds).
 DEFAULT_CAPACITY_BYTES = 64 << 30
+#: Default `refresh_interval_s`: how stale this process's view of other processes' blocks may be.
+DEFAULT_REFRESH_INTERVAL_S = 0.05
 SLAB_TARGET_BYTES = 256 << 20  # records per slab file, at most
-GROW_STEP_BYTES = 16 << 20  # a slab's file is preallocated this much at a time
 _IOV_MAX = 1024
 Record = tuple[int, int]  # (slab, record index)
 
 
 @dataclass(slots=True)
-class _Slab:
+class _OwnSlab:
+    """A slab this process writes: it holds the flock on the data file."""
+
     records: int  # how many records it may hold
-    allocated: int  # bytes of its data file reserved so far
     data_fd: int
     log_fd: int
     log_entries: int
-    lock: threading.Lock
+    end: int  # bytes of the data file written so far (its size)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # log appends and compaction
+
+
+@dataclass(slots=True)
+class _OtherSlab:
+    """A slab another process writes, or wrote: read only, its log followed."""
+
+    data_fd: int
+    log_inode: int = 0
+    log_offset: int = 0
+    records: set[int] = field(default_factory=set)  # those in our index
+    readers: int = 0  # reads in flight on data_fd
+    gone: bool = False  # forgotten: data_fd closes when the last reader is done
+
+
+@dataclass(slots=True)
+class _LogNews:
+    """What a refresh read of one other slab's log."""
+
+    slab: int
+    reset: bool  # read from the start (new slab, or a compacted log): forget what we had
+    entries: list[Entry]
+    inode: int
+    offset: int
+    data_fd: int | None  # opened for a slab seen for the first time
+
+
+@dataclass(slots=True)
+class _Claim:
+    """A slab this process has just become the writer of, with its log as found."""
+
+    slab: int
+    state: _OwnSlab
+    entries: list[Entry]
 
 
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _aligned_buffer(nbytes: int) -> memoryview:
-    return memoryview(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE)))
-
-
-_scratch = threading.local()
-
-
-def _header_scratch(count: int) -> memoryview:
-    """This worker thread's aligned buffer for `count` record headers, kept between calls.
-
-    A fresh mapping per batch cost an mmap and a munmap, each waiting for the
-    process-wide mmap lock behind other threads' O_DIRECT page pinning.
-    """
-    nbytes = HEADER_BYTES * count
-    buffer: memoryview | None = getattr(_scratch, "headers", None)
-    if buffer is None or buffer.nbytes < nbytes:
-        buffer = _aligned_buffer(nbytes)
-        _scratch.headers = buffer
-    return buffer[:nbytes]
-
-
-def _command_line() -> str:
-    try:
-        raw = Path("/proc/self/cmdline").read_bytes()
-    except OSError:
-        return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-
-
 def _probe_direct_io(directory: Path) -> bool:
     """Whether this file system takes O_DIRECT writes and reads of aligned buffers."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    path = directory / "direct-io-probe.tmp"
-    buffer = _aligned_buffer(4096)
+    path = directory / f"direct-io-probe.{os.getpid()}.{threading.get_native_id()}.tmp"
+    buffer = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, FILE_MODE)
         try:
@@ -129,17 +135,19 @@ def _probe_direct_io(directory: Path) -> bool:
 
 class FileSystemTier(SecondaryTierManager):
     """Blocks on a local file system under `root`, within `capacity_bytes`, least recently used
-    evicted first.
+    evicted first; any number of processes may share a root.
 
     Args:
-        root: directory for the cache (created 0700 if missing). Several
-            namespaces may share a root; one process at a time uses each.
-        capacity_bytes: bytes on disk this namespace may take, logs included.
-            Default `DEFAULT_CAPACITY_BYTES`, capped at 80% of the space available.
+        root: directory for the cache (created 0700 if missing). Processes that open the same
+            root and namespace share its blocks: each finds what any of them stored.
+        capacity_bytes: bytes on disk this namespace may take, logs included, all processes
+            together. Default `DEFAULT_CAPACITY_BYTES`, capped at 80% of the space available.
         direct_io: "auto" probes O_DIRECT once and falls back to buffered I/O
             where the file system refuses it; True requires it; False never uses it.
         fsync: False (it is a cache); True makes `store` return only once the
             data and the index entry are durable.
+        refresh_interval_s: a lookup that misses reads the other processes' new index
+            entries if the last such read is older than this; `refresh()` reads them now.
     """
 
     def __init__(
@@ -152,6 +160,7 @@ class FileSystemTier(SecondaryTierManager):
         capacity_bytes: int | None = None,
         direct_io: bool | str = "auto",
         fsync: bool = False,
+        refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         if not isinstance(root, (str, os.PathLike)) or not str(root):
@@ -170,6 +179,14 @@ class FileSystemTier(SecondaryTierManager):
             raise ConfigError(f'fs tier: direct_io must be "auto", True or False, got {direct_io!r}')
         if not isinstance(fsync, bool):
             raise ConfigError(f"fs tier: fsync must be a bool, got {fsync!r}")
+        if (
+            isinstance(refresh_interval_s, bool)
+            or not isinstance(refresh_interval_s, (int, float))
+            or not 0 <= refresh_interval_s < float("inf")
+        ):
+            raise ConfigError(
+                f"fs tier: refresh_interval_s must be a number of seconds >= 0, got {refresh_interval_s!r}"
+            )
         self.root = Path(root)
         self.directory = self.root / namespace_dir_name(offloading_spec.namespace)
         self.requested_capacity = capacity_bytes
@@ -177,58 +194,36 @@ class FileSystemTier(SecondaryTierManager):
         self.direct_io_requested = direct_io
         self.direct_io = False
         self.fsync = fsync
-        self._namespace = namespace_id(offloading_spec.namespace)
-        self._stride = self.record_bytes - HEADER_BYTES
+        self.refresh_interval_s = float(refresh_interval_s)
         self._primary_base = _address(self.primary_kv_view)
         # The index; touched on the event-loop thread only.
-        self._where: dict[bytes, Record] = {}
-        self._key_at: dict[Record, bytes] = {}
-        self._lru: OrderedDict[Record, None] = OrderedDict()  # published, unread; oldest first
+        self._where: dict[bytes, Record] = {}  # key -> the record we read it from
+        self._entry: dict[Record, tuple[bytes, int]] = {}  # record -> (key, payload checksum)
+        self._lru: OrderedDict[Record, None] = OrderedDict()  # own, published, unread; oldest first
         self._readers: Counter[Record] = Counter()
-        self._doomed: set[Record] = set()  # dropped while being read: freed at the last unpin
-        self._free: list[Record] = []  # records that hold nothing; popped from the end
-        self._slabs: dict[int, _Slab] = {}
+        self._doomed: set[Record] = set()  # own, dropped while being read: freed at the last unpin
+        self._free: list[Record] = []  # own records that hold nothing; popped from the end
+        self._disk_live: set[Record] = set()  # own records whose last log entry names a block
+        self._own: dict[int, _OwnSlab] = {}
+        self._others: dict[int, _OtherSlab] = {}
         self._slab_records = 1
         self._max_slabs = 0
+        self._can_claim = True  # False until a refresh once no slab could be claimed
+        self._disk_full = False
+        self._claiming: asyncio.Future[None] | None = None
+        self._refreshing: asyncio.Future[None] | None = None
+        self._last_refresh = float("-inf")
         self._seq = 0
-        self._reserved_slabs: set[int] = set()  # allocated from, data file not made yet
-        self._lock_fd: int | None = None
-        self._slab_create_lock = threading.Lock()  # also guards _seq, bumped by worker threads
+        self._seq_lock = threading.Lock()
 
     # -- opening and closing -------------------------------------------------------------------
     async def open_backend(self) -> None:
-        found, free = await self.run_blocking(self._open_files)
-        # Plain dict and list building only: the per-record work happened on the thread.
-        self._key_at = {where: key for where, (key, _, _) in found.live.items()}
-        self._where = {key: where for where, key in self._key_at.items()}
-        self._lru = OrderedDict.fromkeys(self._key_at)
-        self._free = free
-        self._seq = found.max_seq
-        self.counters["removed_temporaries"] += found.removed_temporaries
+        await self.run_blocking(self._open_files)
+        await self._refresh_now()
 
-    def _open_files(self) -> tuple[NamespaceDir, list[Record]]:
-        """Worker thread: lock, probe, replay the logs, open the slabs; (index, free records)."""
-        found = self._open_and_replay()
-        free = [
-            (slab, record)
-            for slab in sorted(self._slabs, reverse=True)
-            for record in range(self._slabs[slab].records - 1, -1, -1)
-            if (slab, record) not in found.live
-        ]
-        return found, free
-
-    def _open_and_replay(self) -> NamespaceDir:
-        make_private_dir(self.root)
-        make_private_dir(self.directory)
-        os.chmod(self.directory, DIR_MODE)
-        name_file = self.directory / "NAMESPACE"
-        if not name_file.exists():
-            tmp = self.directory / "NAMESPACE.tmp"
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.offloading_spec.namespace + "\n")
-            os.replace(tmp, name_file)
-        self._lock_fd = self._lock_namespace()
+    def _open_files(self) -> None:
+        """Worker thread: make or check the directory, probe O_DIRECT, size the namespace."""
+        prepare_directory(self.root, self.directory, self.offloading_spec.namespace)
         if self.direct_io_requested == "auto":
             self.direct_io = _probe_direct_io(self.directory)
         elif self.direct_io_requested:
@@ -237,9 +232,11 @@ class FileSystemTier(SecondaryTierManager):
             self.direct_io = True
         if self._primary_base % 4096:
             self.direct_io = False  # O_DIRECT needs aligned memory; a foreign view may not be
-        found = replay(self.directory, self.record_bytes)
-        existing = sum(n * self.record_bytes for n in found.slabs.values())
         if self.requested_capacity is None:
+            existing = 0
+            for n in slab_numbers(self.directory, self.block_nbytes):
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    existing += os.stat(slab_path(self.directory, self.block_nbytes, n, "kvs")).st_size
             usage = shutil.disk_usage(self.directory)
             self.capacity_bytes = min(DEFAULT_CAPACITY_BYTES, int(0.8 * (usage.free + existing)))
         else:
@@ -248,88 +245,271 @@ class FileSystemTier(SecondaryTierManager):
         max_records = max(1, self.capacity_bytes // (self.record_bytes + 4 * ENTRY))
         self._slab_records = max(1, min(max_records, SLAB_TARGET_BYTES // self.record_bytes))
         self._max_slabs = max(1, max_records // self._slab_records)
-        for slab, records in sorted(found.slabs.items()):
-            if slab >= self._max_slabs or records > self._slab_records:
-                # The capacity shrank since this slab was made: drop it and what it held.
-                for where in [w for w in found.live if w[0] == slab]:
-                    del found.live[where]
-                slab_path(self.directory, self.record_bytes, slab, "kvs").unlink(missing_ok=True)
-                slab_path(self.directory, self.record_bytes, slab, "idx").unlink(missing_ok=True)
-                continue
-            self._slabs[slab] = self._open_slab(slab, self._slab_records, found.log_entries.get(slab, 0))
-        for slab, state in self._slabs.items():
-            if state.log_entries > 2 * state.records:
-                self._compact_log(slab)
-        return found
-
-    def _lock_namespace(self) -> int:
-        """Take this namespace for this process (worker thread); the lock file names the holder.
-
-        One process at a time uses a namespace: a second one gets an error naming the root and
-        the process that holds it, never a tier that silently misses.
-        """
-        lock_fd = os.open(self.directory / "LOCK", os.O_CREAT | os.O_RDWR, FILE_MODE)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(lock_fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
-            os.close(lock_fd)
-            raise NamespaceInUseError(
-                f"fs tier: root {str(self.root)!r} (namespace {self.offloading_spec.namespace!r}, "
-                f"{self.directory.name}) is in use by {holder}; one process at a time uses a root's "
-                "namespace: give each process its own root"
-            ) from None
-        os.ftruncate(lock_fd, 0)
-        os.pwrite(
-            lock_fd, f"process {os.getpid()} on {socket.gethostname()} ({_command_line()})\n".encode(), 0
-        )
-        return lock_fd
 
     def _data_flags(self) -> int:
-        return os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
+        return os.O_DIRECT if self.direct_io else 0
 
-    def _open_slab(self, slab: int, records: int, log_entries: int) -> _Slab:
-        data_path = slab_path(self.directory, self.record_bytes, slab, "kvs")
-        data_fd = os.open(data_path, self._data_flags())
-        allocated = os.fstat(data_fd).st_size
-        log_fd = os.open(
-            slab_path(self.directory, self.record_bytes, slab, "idx"),
-            os.O_CREAT | os.O_WRONLY | os.O_APPEND,
-            FILE_MODE,
-        )
-        return _Slab(records, allocated, data_fd, log_fd, log_entries, threading.Lock())
+    async def close_backend(self) -> None:
+        # A claim or refresh whose callers were cancelled still runs: let it settle first, so
+        # that what it opened is closed here.
+        pending = [task for task in (self._claiming, self._refreshing) if task is not None]
+        if pending:
+            await asyncio.wait(pending)
+        own, self._own = list(self._own.values()), {}
+        others, self._others = list(self._others.values()), {}
+        await self.run_blocking(self._close_files, own, others)
 
-    def _create_slab(self, slab: int) -> _Slab:
-        """Make an empty slab data file (worker thread); `_grow` gives it room as records fill."""
-        path = slab_path(self.directory, self.record_bytes, slab, "kvs")
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, FILE_MODE))
-        if self.fsync:
-            self._fsync_directory()
-        return self._open_slab(slab, self._slab_records, 0)
+    @staticmethod
+    def _close_files(own: list[_OwnSlab], others: list[_OtherSlab]) -> None:
+        for state in own:
+            os.close(state.data_fd)  # releases the flock: another process may take the slab
+            os.close(state.log_fd)
+        for other in others:
+            if not other.gone:
+                os.close(other.data_fd)
 
-    def _grow(self, state: _Slab, end: int) -> None:
-        """Preallocate a slab's file up to at least `end` bytes, in steps (worker thread).
+    # -- following the other processes ---------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read the index entries other processes have written since the last refresh.
 
-        Space is reserved ahead of the writes that need it, so a full disk shows
-        up here as ENOSPC, before any record is half written.
+        A lookup that misses does this itself when the last refresh is older than
+        `refresh_interval_s`; call it to see another process's new blocks now.
         """
-        with state.lock:
-            if end <= state.allocated:
-                return
-            limit = state.records * self.record_bytes
-            step = max(self.record_bytes, GROW_STEP_BYTES // self.record_bytes * self.record_bytes)
-            for target in (min(limit, max(end, state.allocated + step)), end):
+        with self._operation():
+            if await self._ensure_open():
+                await self._refresh_now()
+
+    async def _refresh_now(self) -> None:
+        if self._refreshing is None:
+            # Its own task: a caller cancelled meanwhile never leaves news (and open files) unapplied.
+            self._refreshing = asyncio.ensure_future(self._refresh_task())
+            self._refreshing.add_done_callback(self._refresh_done)
+        await asyncio.shield(self._refreshing)
+
+    def _refresh_done(self, task: asyncio.Future[None]) -> None:
+        self._refreshing = None
+        if not task.cancelled():
+            task.exception()  # retrieved: the callers that awaited it got it
+
+    async def _refresh_task(self) -> None:
+        known = {slab: (o.log_inode, o.log_offset) for slab, o in self._others.items()}
+        news, gone = await self.run_blocking(self._read_news, known, set(self._own))
+        for slab in gone:
+            self._forget_other(slab)
+        for item in news:
+            self._apply_news(item)
+        self._last_refresh = time.monotonic()
+        self._can_claim = not self._disk_full  # a process may have exited, leaving its slabs
+
+    def _read_news(
+        self, known: dict[int, tuple[int, int]], own: set[int]
+    ) -> tuple[list[_LogNews], list[int]]:
+        """Worker thread: the new entries of every slab another process writes or wrote."""
+        present = set(slab_numbers(self.directory, self.block_nbytes))
+        gone = [slab for slab in known if slab not in present]
+        news: list[_LogNews] = []
+        try:
+            for slab in sorted(present - own):
+                log_path = slab_path(self.directory, self.block_nbytes, slab, "idx")
                 try:
-                    os.posix_fallocate(state.data_fd, state.allocated, target - state.allocated)
-                except OSError as exc:
-                    if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                        os.ftruncate(state.data_fd, target)  # no fallocate here: a sparse file
-                    elif is_out_of_space(exc) and target > end:
-                        continue  # not room for a whole step: try just what is needed
-                    else:
-                        raise
-                state.allocated = target
+                    st = os.stat(log_path)
+                except FileNotFoundError:
+                    continue  # its writer has not made the log yet
+                inode, offset = known.get(slab, (0, 0))
+                if st.st_ino == inode and st.st_size == offset:
+                    continue
+                reset = slab not in known or st.st_ino != inode or st.st_size < offset
+                try:
+                    entries, end, inode = read_log(log_path, 0 if reset else offset)
+                    data_fd = None
+                    if slab not in known:
+                        data_path = slab_path(self.directory, self.block_nbytes, slab, "kvs")
+                        data_fd = os.open(data_path, os.O_RDONLY | self._data_flags())
+                except FileNotFoundError:
+                    continue  # removed meanwhile (`kvtier fs gc`)
+                news.append(_LogNews(slab, reset, entries, inode, end, data_fd))
+        except BaseException:
+            for item in news:
+                if item.data_fd is not None:
+                    os.close(item.data_fd)
+            raise
+        return news, gone
+
+    def _apply_news(self, news: _LogNews) -> None:
+        if news.slab in self._own:  # we became its writer meanwhile: our view is the truth
+            if news.data_fd is not None:
+                os.close(news.data_fd)
+            return
+        other = self._others.get(news.slab)
+        if other is None:
+            if news.data_fd is None:
                 return
+            other = self._others[news.slab] = _OtherSlab(news.data_fd)
+        elif news.data_fd is not None:
+            os.close(news.data_fd)
+        if news.reset:
+            for record in list(other.records):
+                self._unindex_other(news.slab, record)
+        other.log_inode, other.log_offset = news.inode, news.offset
+        for e in news.entries:
+            self._unindex_other(news.slab, e.record)
+            if not e.deleted:
+                where = (news.slab, e.record)
+                self._entry[where] = (e.key, e.checksum)
+                other.records.add(e.record)
+                held = self._where.get(e.key)
+                if held is None or held[0] not in self._own:
+                    self._where[e.key] = where
+
+    def _unindex_other(self, slab: int, record: int) -> None:
+        where = (slab, record)
+        entry = self._entry.pop(where, None)
+        if entry is not None and self._where.get(entry[0]) == where:
+            del self._where[entry[0]]
+        other = self._others.get(slab)
+        if other is not None:
+            other.records.discard(record)
+
+    def _forget_other(self, slab: int) -> None:
+        other = self._others.pop(slab, None)
+        if other is None:
+            return
+        for record in list(other.records):
+            where = (slab, record)
+            entry = self._entry.pop(where, None)
+            if entry is not None and self._where.get(entry[0]) == where:
+                del self._where[entry[0]]
+        other.gone = True
+        if other.readers == 0:
+            os.close(other.data_fd)
+
+    # -- room: claiming slabs, evicting ----------------------------------------------------------
+    async def _take_record(self) -> tuple[Record, bool] | None:
+        """A record to write into, and whether its last log entry names a block (then a deletion
+        goes first); None when the namespace is full and nothing of ours may be evicted."""
+        while not self._free and self._can_claim:
+            if self._claiming is None:
+                self._claiming = asyncio.ensure_future(self._claim_task())
+                self._claiming.add_done_callback(self._claim_done)
+            # A failure is logged by _claim_done, which also stops claiming for now: evict instead.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._claiming)
+        if self._free:
+            where = self._free.pop()
+            return where, where in self._disk_live
+        if self._lru:
+            where, _ = self._lru.popitem(last=False)
+            key, _ = self._entry.pop(where)
+            del self._where[key]
+            self.counters["evictions"] += 1
+            self.notify_removed([key])
+            return where, where in self._disk_live
+        return None
+
+    def _claim_done(self, task: asyncio.Future[None]) -> None:
+        self._claiming = None
+        if task.cancelled() or task.exception() is not None:
+            self._can_claim = False  # until the next refresh: no retry storm on a failing disk
+            self.counters["write_errors"] += 1
+            if not task.cancelled():
+                log.warning("fs tier %r: claiming a slab failed: %s", self.name, task.exception())
+
+    async def _claim_task(self) -> None:
+        claim = await self.run_blocking(self._claim_slab, set(self._own))
+        if claim is None:
+            self._can_claim = False
+            return
+        self._take_claim(claim)
+
+    def _claim_slab(self, own: set[int]) -> _Claim | None:
+        """Worker thread: become the writer of a slab nobody writes (its writer exited), else of a
+        new slab below the namespace's capacity; None if every slab has a live writer."""
+        present = slab_numbers(self.directory, self.block_nbytes)
+        for slab in present:
+            if slab in own or slab >= self._max_slabs:
+                continue
+            path = slab_path(self.directory, self.block_nbytes, slab, "kvs")
+            try:
+                fd = os.open(path, os.O_RDWR | self._data_flags())
+            except FileNotFoundError:
+                continue
+            if try_flock(fd) and os.fstat(fd).st_nlink:  # not removed while we opened it
+                return self._adopt(slab, fd)
+            os.close(fd)
+        for slab in range(self._max_slabs):
+            if slab in own or slab in present:
+                continue
+            path = slab_path(self.directory, self.block_nbytes, slab, "kvs")
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | self._data_flags(), FILE_MODE)
+            except FileExistsError:
+                continue
+            if try_flock(fd):
+                if self.fsync:
+                    self._fsync_directory()
+                return self._adopt(slab, fd)
+            os.close(fd)  # another process took it as it was made
+        return None
+
+    def _adopt(self, slab: int, data_fd: int) -> _Claim:
+        """Worker thread, the slab's flock held: open its log, drop a torn tail, size it to ours."""
+        try:
+            log_path = slab_path(self.directory, self.block_nbytes, slab, "idx")
+            log_path.with_name(log_path.name + ".tmp").unlink(missing_ok=True)  # a compaction cut short
+            log_fd = os.open(log_path, os.O_CREAT | os.O_RDWR | os.O_APPEND, FILE_MODE)
+            try:
+                entries, end, _ = read_log(log_path)
+                if os.fstat(log_fd).st_size != end:
+                    os.ftruncate(log_fd, end)  # a torn last entry would hide every later one
+                records = self._slab_records
+                size = os.fstat(data_fd).st_size
+                if size > records * self.record_bytes:  # made by a process with a larger capacity
+                    os.ftruncate(data_fd, records * self.record_bytes)
+                    size = records * self.record_bytes
+                reserve_log_room(log_fd, end + 4 * records * ENTRY)
+            except BaseException:
+                os.close(log_fd)
+                raise
+        except BaseException:
+            os.close(data_fd)
+            raise
+        state = _OwnSlab(records, data_fd, log_fd, len(entries), size)
+        return _Claim(slab, state, entries)
+
+    def _take_claim(self, claim: _Claim) -> None:
+        slab, state = claim.slab, claim.state
+        self._forget_other(slab)
+        self._own[slab] = state
+        live = [(r, e) for r, e in latest_per_record(claim.entries).items() if r < state.records]
+        # What it held is older than anything we wrote: oldest first at the cold end of the LRU.
+        for record, e in reversed(live):
+            where = (slab, record)
+            if e.deleted:
+                continue
+            self._disk_live.add(where)
+            held = self._where.get(e.key)
+            if held is not None and held[0] in self._own:
+                continue  # we hold this key elsewhere: this record is room
+            self._where[e.key] = where
+            self._entry[where] = (e.key, e.checksum)
+            if not self._readers[where]:
+                self._lru[where] = None
+                self._lru.move_to_end(where, last=False)
+        for record in range(state.records - 1, -1, -1):
+            where = (slab, record)
+            if where in self._entry:
+                continue
+            if self._readers[where]:
+                self._doomed.add(where)  # read as another's record: room once that read ends
+            else:
+                self._free.append(where)
+
+    def _next_seq(self) -> int:
+        # Wall-clock nanoseconds, strictly increasing here: comparable across processes, so
+        # that a restart orders every process's blocks by age.
+        with self._seq_lock:
+            self._seq = max(self._seq + 1, time.time_ns())
+            return self._seq
 
     def _fsync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
@@ -338,340 +518,383 @@ class FileSystemTier(SecondaryTierManager):
         finally:
             os.close(fd)
 
-    def _compact_log(self, slab: int) -> None:
-        """Shrink a slab's log to its live entries (its lock held, or while opening)."""
-        state = self._slabs[slab]
-        path = slab_path(self.directory, self.record_bytes, slab, "idx")
-        state.log_entries = compact_log(path, fsync=self.fsync)
-        os.close(state.log_fd)
-        state.log_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-
-    async def close_backend(self) -> None:
-        await self.run_blocking(self._close_files)
-
-    def _close_files(self) -> None:
-        for state in self._slabs.values():
-            os.close(state.data_fd)
-            os.close(state.log_fd)
-        self._slabs.clear()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
-
     # -- the index (event-loop thread) ------------------------------------------------------------
-    def _allocate(self) -> Record | None:
-        if self._free:
-            return self._free.pop()
-        if len(self._slabs) + self._pending_slabs() < self._max_slabs:
-            slab = self._next_slab_number()
-            self._reserved_slabs.add(slab)
-            self._free.extend((slab, r) for r in range(self._slab_records - 1, -1, -1))
-            return self._free.pop()
-        if self._lru:
-            where, _ = self._lru.popitem(last=False)
-            key = self._key_at.pop(where)
-            del self._where[key]
-            self.counters["evictions"] += 1
-            self.notify_removed([key])
-            return where
-        return None
-
-    def _pending_slabs(self) -> int:
-        return len(self._reserved_slabs - set(self._slabs))
-
-    def _next_slab_number(self) -> int:
-        taken = set(self._slabs) | self._reserved_slabs
-        return next(n for n in range(self._max_slabs) if n not in taken)
-
-    def _publish(self, key: bytes, where: Record) -> None:
+    def _publish(self, key: bytes, where: Record, checksum: int) -> None:
         old = self._where.get(key)
-        if old is not None:  # stored twice concurrently: keep the newer record
+        if old is not None and old[0] in self._own:  # stored twice concurrently: keep the newer
             self._drop(old)
         self._where[key] = where
-        self._key_at[where] = key
+        self._entry[where] = (key, checksum)
         self._lru[where] = None
+        self._disk_live.add(where)
 
     def _drop(self, where: Record) -> None:
-        """Forget a published record; free it now, or when its last reader is done."""
-        key = self._key_at.pop(where, None)
-        if key is not None and self._where.get(key) == where:
-            del self._where[key]
+        """Forget one of our published records; free it now, or when its last reader is done."""
+        entry = self._entry.pop(where, None)
+        if entry is not None and self._where.get(entry[0]) == where:
+            del self._where[entry[0]]
         self._lru.pop(where, None)
         if self._readers[where]:
             self._doomed.add(where)
         else:
             self._free.append(where)
 
-    def _span(self, block: memoryview) -> memoryview:
-        """The whole slot (stride bytes) that `block` starts: O_DIRECT moves whole pages."""
-        offset = _address(block) - self._primary_base
-        return self.primary_kv_view[offset : offset + self._stride]
+    def _slot_offset(self, block: memoryview) -> int:
+        return _address(block) - self._primary_base
 
     # -- hooks ---------------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
         results = [False] * len(keys)
-        jobs: list[tuple[int, bytes, Record]] = []
-        for i, key in enumerate(keys):
-            where = self._where.get(key)
-            if where is not None:
-                results[i] = True
-                if where in self._lru:
-                    self._lru.move_to_end(where)
-                continue
-            target = self._allocate()
-            if target is None:
-                self.counters["stores_without_room"] += 1
-                continue
-            jobs.append((i, key, target))
-        if not jobs:
-            return results
-        spans = [self._span(blocks[i]) for i, _, _ in jobs]
-        payloads = [blocks[i] for i, _, _ in jobs]
+        jobs: list[tuple[int, bytes, Record, bool]] = []
         try:
-            outcome = await self.run_blocking(
-                self._write_records, [(key, where) for _, key, where in jobs], payloads, spans
-            )
+            for i, key in enumerate(keys):
+                where = self._where.get(key)
+                if where is not None:
+                    results[i] = True
+                    if where in self._lru:
+                        self._lru.move_to_end(where)
+                    continue
+                taken = await self._take_record()
+                if taken is None:
+                    self.counters["stores_without_room"] += 1
+                    continue
+                jobs.append((i, key, *taken))
+            if not jobs:
+                return results
+            work = [(key, where, self._slot_offset(blocks[i]), deletion) for i, key, where, deletion in jobs]
+            status, checksums, full = await self.run_blocking(self._write_records, work)
         except BaseException:
-            # Cancelled (the thread has finished): these records are not published. Reusing
-            # them is safe: a newer log entry for a record always wins over an older one.
-            self._free.extend(where for _, _, where in jobs)
-            raise
-        out_of_space = False
-        for (i, key, where), status in zip(jobs, outcome):
-            if status == "ok":
-                self._publish(key, where)
-                results[i] = True
-            else:
+            # Cancelled (the thread, if any, has finished): these records are not published, and
+            # what their log says now is unknown, so a deletion goes first when they are reused.
+            for _, _, where, _ in jobs:
+                self._disk_live.add(where)
                 self._free.append(where)
-                out_of_space |= status == "nospace"
-                self.counters["write_errors"] += 1
-        self._reserved_slabs -= set(self._slabs)
-        if out_of_space:
-            self._shrink_after_enospc()
+            raise
+        for slab, end in full.items():
+            self._own[slab].end = max(self._own[slab].end, end)
+        for (_, _, where, _), state in zip(jobs, status):
+            if state == "ok":
+                own = self._own[where[0]]
+                own.end = max(own.end, (where[1] + 1) * self.record_bytes)
+        for (i, key, where, deletion), state, checksum in zip(jobs, status, checksums):
+            if deletion and state != "kept":
+                self._disk_live.discard(where)  # the deletion was logged
+            if state == "ok":
+                self._publish(key, where, checksum)
+                results[i] = True
+                continue
+            self.counters["write_errors"] += 1
+            if state != "nospace":
+                self._free.append(where)
+            elif (where[1] + 1) * self.record_bytes <= self._own[where[0]].end:
+                self._free.append(where)  # overwriting bytes the file has needs no new room
+            if state == "kept":
+                self._disk_live.add(where)
+        if full:
+            self._after_out_of_space()
         return results
 
-    def _shrink_after_enospc(self) -> None:
-        """The disk is full: stop growing. From now on new blocks evict the least recently
-        used ones from the room already reserved, as at capacity."""
+    def _after_out_of_space(self) -> None:
+        """The disk is full: claim nothing more; new blocks evict our least recently used ones
+        from the room our slabs already have."""
         self.counters["out_of_space"] += 1
-        self._max_slabs = max(1, len(self._slabs))
-        for state in list(self._slabs.values()):
-            state.records = max(1, state.allocated // self.record_bytes)
-        self._free = [w for w in self._free if w[0] in self._slabs and w[1] < self._slabs[w[0]].records]
-        self._reserved_slabs = set()
+        self._disk_full = True
+        self._can_claim = False
+        for state in self._own.values():
+            state.records = max(1, min(state.records, state.end // self.record_bytes))
+        self._free = [w for w in self._free if w[1] < self._own[w[0]].records]
 
     def _write_records(
-        self, jobs: list[tuple[bytes, Record]], payloads: list[memoryview], spans: list[memoryview]
-    ) -> list[str]:
-        """Worker thread: write records, then log them. Returns "ok" / "nospace" / "error" each."""
+        self, jobs: list[tuple[bytes, Record, int, bool]]
+    ) -> tuple[list[str], list[int], dict[int, int]]:
+        """Worker thread: log deletions of reused records, write the records, then log them.
+
+        Returns per job "ok" / "nospace" / "error" ("kept": not written, its old entry stands),
+        the payload checksums, and the data file sizes of slabs where the disk was full.
+        """
         status = ["error"] * len(jobs)
-        headers = _header_scratch(len(jobs))
-        checksums = []
-        for n, ((key, _), payload) in enumerate(zip(jobs, payloads)):
-            checksum = payload_checksum(payload)
-            checksums.append(checksum)
-            pack_header(
-                headers[n * HEADER_BYTES : (n + 1) * HEADER_BYTES],
-                namespace=self._namespace,
-                key=key,
-                payload_len=self.block_nbytes,
-                checksum=checksum,
-            )
-        written: list[int] = []
-        for run in self._runs([where for _, where in jobs]):
-            slab = run[0][1][0]
-            try:
-                state = self._ensure_slab(slab)
-                self._grow(state, (run[-1][1][1] + 1) * self.record_bytes)
-                iov: list[memoryview] = []
-                for n, _ in run:
-                    iov += [headers[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], spans[n]]
-                self._pwritev_all(state.data_fd, iov, run[0][1][1] * self.record_bytes)
-                if self.fsync:
-                    os.fdatasync(state.data_fd)
-                written += [n for n, _ in run]
-                for n, _ in run:
-                    status[n] = "ok"
-            except OSError as exc:
-                code = "nospace" if is_out_of_space(exc) else "error"
-                for n, _ in run:
-                    status[n] = code
-                if code == "error":
-                    log.warning("fs tier %r: writing %d records failed: %s", self.name, len(run), exc)
-        # The index entries go after the data: a record is visible only once complete.
+        checksums = [0] * len(jobs)
         by_slab: dict[int, list[int]] = {}
-        for n in written:
-            by_slab.setdefault(jobs[n][1][0], []).append(n)
+        for n, (_, (slab, _), _, _) in enumerate(jobs):
+            by_slab.setdefault(slab, []).append(n)
+        todo: list[int] = []
         for slab, ns in by_slab.items():
-            state = self._slabs[slab]
-            with state.lock:
-                data = b"".join(
-                    encode_entry(self._next_seq(), jobs[n][1][1], jobs[n][0], checksums[n]) for n in ns
+            reused = [n for n in ns if jobs[n][3]]
+            if reused:
+                entries = b"".join(
+                    encode_entry(self._next_seq(), jobs[n][1][1], jobs[n][0], 0, deleted=True) for n in reused
                 )
                 try:
-                    try:
-                        self._append_log(state, data)
-                    except OSError as exc:
-                        if not is_out_of_space(exc):
-                            raise
-                        self._compact_log(slab)  # the disk is full: make room, try once more
-                        self._append_log(state, data)
-                    if self.fsync:
-                        os.fsync(state.log_fd)
-                    state.log_entries += len(ns)
-                    if state.log_entries > 4 * state.records:
-                        self._compact_log(slab)
+                    self._log(slab, entries, len(reused))
                 except OSError as exc:
-                    code = "nospace" if is_out_of_space(exc) else "error"
                     for n in ns:
-                        status[n] = code
-        return status
+                        status[n] = "kept" if jobs[n][3] else ("nospace" if is_out_of_space(exc) else "error")
+                    continue
+            todo += ns
+        for n in todo:
+            offset = jobs[n][2]
+            checksums[n] = payload_checksum(self.primary_kv_view[offset : offset + self.block_nbytes])
+        full: dict[int, int] = {}
+        written: list[int] = []
+        for run in self._runs([jobs[n][1] for n in todo]):
+            ns = [todo[k] for k in run]
+            slab, first = jobs[ns[0]][1]
+            state = self._own[slab]
+            try:
+                iov = self._iov([jobs[n][2] for n in ns])
+                self._pwritev_all(state.data_fd, iov, first * self.record_bytes)
+                done = ns
+            except OSError as exc:
+                done = self._write_one_by_one(state, ns, jobs, status, exc)
+                if any(status[n] == "nospace" for n in ns):
+                    full[slab] = os.fstat(state.data_fd).st_size
+            if done and self.fsync:
+                os.fdatasync(state.data_fd)
+            written += done
+        # The index entries go after the data: a record is visible only once complete.
+        logged: dict[int, list[int]] = {}
+        for n in written:
+            logged.setdefault(jobs[n][1][0], []).append(n)
+        for slab, ns in logged.items():
+            entries = b"".join(
+                encode_entry(self._next_seq(), jobs[n][1][1], jobs[n][0], checksums[n]) for n in ns
+            )
+            try:
+                self._log(slab, entries, len(ns))
+                for n in ns:
+                    status[n] = "ok"
+            except OSError as exc:
+                for n in ns:
+                    status[n] = "nospace" if is_out_of_space(exc) else "error"
+        return status, checksums, full
+
+    def _write_one_by_one(
+        self,
+        state: _OwnSlab,
+        ns: list[int],
+        jobs: list[tuple[bytes, Record, int, bool]],
+        status: list[str],
+        first_error: OSError,
+    ) -> list[int]:
+        """A run failed: write its records one at a time, to keep those that fit on a full disk."""
+        done = []
+        for k, n in enumerate(ns):
+            _, (_, record), offset, _ = jobs[n]
+            try:
+                self._pwritev_all(state.data_fd, self._iov([offset]), record * self.record_bytes)
+                done.append(n)
+            except OSError as exc:
+                code = "nospace" if is_out_of_space(exc) else "error"
+                if code == "nospace":
+                    for later in ns[k:]:
+                        status[later] = "nospace"  # records are in file order: none after fits
+                    break
+                status[n] = code
+                log.warning("fs tier %r: writing a record failed: %s", self.name, exc)
+        if not done and not is_out_of_space(first_error):
+            log.warning("fs tier %r: writing %d records failed: %s", self.name, len(ns), first_error)
+        return done
+
+    def _log(self, slab: int, entries: bytes, count: int) -> None:
+        """Append entries to one of our slabs' logs, compacting it when it grows long."""
+        state = self._own[slab]
+        with state.lock:
+            try:
+                self._append_log(state.log_fd, entries)
+            except OSError as exc:
+                if not is_out_of_space(exc):
+                    raise
+                self._compact_log(slab, state)  # the disk is full: make room, try once more
+                self._append_log(state.log_fd, entries)
+            if self.fsync:
+                os.fsync(state.log_fd)
+            state.log_entries += count
+            if state.log_entries > 4 * state.records:
+                try:
+                    self._compact_log(slab, state)
+                except OSError as exc:  # the entries are in: a long log only costs replay time
+                    log.warning("fs tier %r: compacting a log failed: %s", self.name, exc)
+
+    def _compact_log(self, slab: int, state: _OwnSlab) -> None:
+        """Shrink a slab's log to its live entries (its lock held)."""
+        path = slab_path(self.directory, self.block_nbytes, slab, "idx")
+        state.log_entries = compact_log(path, fsync=self.fsync)
+        os.close(state.log_fd)
+        state.log_fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        reserve_log_room(state.log_fd, os.fstat(state.log_fd).st_size + 4 * state.records * ENTRY)
 
     @staticmethod
-    def _append_log(state: _Slab, data: bytes) -> None:
+    def _append_log(log_fd: int, data: bytes) -> None:
         """Append whole entries or nothing: a torn tail would hide every later entry."""
-        start = os.fstat(state.log_fd).st_size
+        start = os.fstat(log_fd).st_size
         try:
-            if os.write(state.log_fd, data) != len(data):
+            if os.write(log_fd, data) != len(data):
                 raise OSError(errno.ENOSPC, "short write to the index log")
         except BaseException:
-            os.ftruncate(state.log_fd, start)
+            os.ftruncate(log_fd, start)
             raise
 
-    def _next_seq(self) -> int:
-        with self._slab_create_lock:
-            self._seq += 1
-            return self._seq
-
-    def _ensure_slab(self, slab: int) -> _Slab:
-        with self._slab_create_lock:
-            state = self._slabs.get(slab)
-            if state is None:
-                state = self._slabs[slab] = self._create_slab(slab)
-            return state
+    def _iov(self, offsets: list[int]) -> list[memoryview]:
+        """The primary slots at `offsets` (whole records), neighbouring slots merged into one piece."""
+        pieces: list[list[int]] = []
+        for offset in offsets:
+            if pieces and pieces[-1][1] == offset:
+                pieces[-1][1] = offset + self.record_bytes
+            else:
+                pieces.append([offset, offset + self.record_bytes])
+        return [self.primary_kv_view[start:end] for start, end in pieces]
 
     @staticmethod
-    def _runs(wheres: list[Record]) -> list[list[tuple[int, Record]]]:
-        """Group job indexes into runs of neighbouring records of one slab (one syscall each)."""
+    def _runs(wheres: list[Record]) -> list[list[int]]:
+        """Indexes into `wheres`, grouped into runs of neighbouring records of one slab."""
         order = sorted(range(len(wheres)), key=lambda n: wheres[n])
-        runs: list[list[tuple[int, Record]]] = []
+        runs: list[list[int]] = []
         for n in order:
-            where = wheres[n]
-            if (
-                runs
-                and runs[-1][-1][1][0] == where[0]
-                and runs[-1][-1][1][1] + 1 == where[1]
-                and len(runs[-1]) < _IOV_MAX // 2
-            ):
-                runs[-1].append((n, where))
+            slab, record = wheres[n]
+            if runs and len(runs[-1]) < _IOV_MAX and wheres[runs[-1][-1]] == (slab, record - 1):
+                runs[-1].append(n)
             else:
-                runs.append([(n, where)])
+                runs.append([n])
         return runs
 
     @staticmethod
     def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
         total = sum(len(v) for v in iov)
         done = os.pwritev(fd, iov, offset)
-        if done != total:  # the space was reserved, so this is not a full disk: fail the run
-            raise OSError(errno.EIO, f"short write: {done} of {total} bytes")
+        if done != total:  # a full disk, part way: the caller retries record by record
+            raise OSError(errno.ENOSPC, f"short write: {done} of {total} bytes")
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
-        jobs: list[tuple[int, bytes, Record]] = []
+        await self._refresh_if_missing(keys)
+        jobs: list[tuple[int, bytes, Record, _OwnSlab | _OtherSlab]] = []
         for i, key in enumerate(keys):
             where = self._where.get(key)
-            if where is not None:
-                self._readers[where] += 1  # never evicted or reused while read
-                self._lru.pop(where, None)
-                jobs.append((i, key, where))
+            if where is None:
+                continue
+            slab = self._own.get(where[0]) or self._others[where[0]]
+            if isinstance(slab, _OtherSlab):
+                slab.readers += 1
+            self._readers[where] += 1  # never evicted or reused while read
+            self._lru.pop(where, None)
+            jobs.append((i, key, where, slab))
         results = [False] * len(keys)
         if not jobs:
             return results
-        spans = [self._span(blocks[i]) for i, _, _ in jobs]
+        work = [
+            (slab.data_fd, where, self._entry[where][1], self._slot_offset(blocks[i]))
+            for i, _, where, slab in jobs
+        ]
         try:
-            outcome = await self.run_blocking(
-                self._read_records, [(key, where) for _, key, where in jobs], spans
-            )
+            outcome = await self.run_blocking(self._read_records, work)
         finally:
-            for _, _, where in jobs:
-                self._readers[where] -= 1
-                if self._readers[where] == 0:
-                    del self._readers[where]
-                    if where in self._doomed:
-                        self._doomed.discard(where)
-                        self._free.append(where)
-                    elif where in self._key_at:
-                        self._lru[where] = None  # most recently used now
+            for _, _, where, slab in jobs:
+                self._unpin(where, slab)
         corrupt = []
-        for (i, key, where), status in zip(jobs, outcome):
+        for (i, key, where, _), status in zip(jobs, outcome):
             if status == "ok":
                 results[i] = True
-            elif status == "corrupt":
+                continue
+            if status == "error" or self._entry.get(where, (None,))[0] != key:
+                continue  # a fault, or forgotten meanwhile
+            if where[0] in self._own:
+                self._drop(where)
+            else:
+                self._unindex_other(*where)
+            if status == "corrupt":
                 self.counters["corrupt_blocks"] += 1
-                if self._key_at.get(where) == key:
-                    corrupt.append((key, where))
-                    self._drop(where)
+                corrupt.append((key, where))
+            else:  # its writer rewrote it after we read the log: our entry was stale
+                self.counters["stale_blocks"] += 1
+            self.notify_removed([key])
         if corrupt:
-            self.notify_removed([key for key, _ in corrupt])
             await self.run_blocking(self._log_deletions, corrupt)
         return results
 
-    def _read_records(self, jobs: list[tuple[bytes, Record]], spans: list[memoryview]) -> list[str]:
-        """Worker thread: read and verify records. "ok" / "corrupt" / "error" each."""
+    def _unpin(self, where: Record, slab: _OwnSlab | _OtherSlab) -> None:
+        self._readers[where] -= 1
+        if isinstance(slab, _OtherSlab):
+            slab.readers -= 1
+            if slab.gone and slab.readers == 0:
+                os.close(slab.data_fd)
+        if self._readers[where]:
+            return
+        del self._readers[where]
+        if where in self._doomed:
+            self._doomed.discard(where)
+            self._free.append(where)
+        elif where in self._entry and where[0] in self._own:
+            self._lru[where] = None  # most recently used now
+
+    def _read_records(self, jobs: list[tuple[int, Record, int, int]]) -> list[str]:
+        """Worker thread: read records and check them against their checksums.
+
+        "ok" / "corrupt" / "stale" (its writer is rewriting it) / "error" each.
+        """
         status = ["error"] * len(jobs)
-        headers = _header_scratch(len(jobs))
-        for run in self._runs([where for _, where in jobs]):
-            slab, first = run[0][1]
-            state = self._slabs.get(slab)
-            if state is None:
-                for n, _ in run:
-                    status[n] = "corrupt"
-                continue
-            iov: list[memoryview] = []
-            for n, _ in run:
-                iov += [headers[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], spans[n]]
+        for run in self._runs([where for _, where, _, _ in jobs]):
+            fd, (_, first), _, _ = jobs[run[0]]
             try:
-                got = os.preadv(state.data_fd, iov, first * self.record_bytes)
+                got = os.preadv(fd, self._iov([jobs[n][3] for n in run]), first * self.record_bytes)
             except OSError as exc:
                 log.warning("fs tier %r: reading %d records failed: %s", self.name, len(run), exc)
                 continue
-            for k, (n, _) in enumerate(run):
-                if got < (k + 1) * self.record_bytes:
-                    status[n] = "corrupt"  # the file is shorter than this record
-                    continue
-                key = jobs[n][0]
-                try:
-                    checksum = verify_header(
-                        headers[n * HEADER_BYTES : (n + 1) * HEADER_BYTES],
-                        namespace=self._namespace,
-                        key=key,
-                        payload_len=self.block_nbytes,
-                    )
-                    ok = payload_checksum(spans[n][: self.block_nbytes]) == checksum
-                except CorruptBlockError:
-                    ok = False
-                status[n] = "ok" if ok else "corrupt"
+            for k, n in enumerate(run):
+                _, where, checksum, offset = jobs[n]
+                payload = self.primary_kv_view[offset : offset + self.block_nbytes]
+                if got >= (k + 1) * self.record_bytes and payload_checksum(payload) == checksum:
+                    status[n] = "ok"
+                elif where[0] in self._own:
+                    status[n] = "corrupt"  # we are its only writer
+                else:
+                    status[n] = "corrupt" if self._log_still_names(where, checksum) else "stale"
         return status
 
+    def _log_still_names(self, where: Record, checksum: int) -> bool:
+        """Whether another writer's log still says `where` holds the block we failed to read: its
+        writer logs a deletion before rewriting a record, so then the bytes are damaged."""
+        try:
+            entries, _, _ = read_log(slab_path(self.directory, self.block_nbytes, where[0], "idx"))
+        except FileNotFoundError:
+            return False
+        latest = latest_per_record(entries).get(where[1])
+        return latest is not None and not latest.deleted and latest.checksum == checksum
+
     def _log_deletions(self, dropped: list[tuple[bytes, Record]]) -> None:
-        """Worker thread: tombstones, so dropped records stay gone after a restart."""
+        """Worker thread: deletions, so dropped records stay gone for every process and restart.
+
+        Our slabs' logs take them directly; another writer's log takes an O_APPEND write of
+        whole entries, which never interleaves with that writer's own appends.
+        """
         for key, (slab, record) in dropped:
-            state = self._slabs.get(slab)
-            if state is None:
-                continue
-            with state.lock:
+            entry = encode_entry(self._next_seq(), record, key, 0, deleted=True)
+            try:
+                if slab in self._own:
+                    self._log(slab, entry, 1)
+                    continue
+                path = slab_path(self.directory, self.block_nbytes, slab, "idx")
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND)
                 try:
-                    self._append_log(state, encode_entry(self._next_seq(), record, key, 0, deleted=True))
-                    state.log_entries += 1
-                except OSError as exc:
-                    log.warning("fs tier %r: logging a deletion failed: %s", self.name, exc)
+                    os.write(fd, entry)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.warning("fs tier %r: logging a deletion failed: %s", self.name, exc)
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited
         if not await self._ensure_open():
             return [False] * len(keys)
+        await self._refresh_if_missing(keys)
         return [key in self._where for key in keys]
+
+    async def _refresh_if_missing(self, keys: Sequence[bytes]) -> None:
+        """Refresh when a key is unknown and the last refresh is older than the interval."""
+        if time.monotonic() - self._last_refresh < self.refresh_interval_s:
+            return
+        if any(key not in self._where for key in keys):
+            await self._refresh_now()
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         # docstring inherited
@@ -680,26 +903,33 @@ class FileSystemTier(SecondaryTierManager):
         dropped = []
         for key in keys:
             where = self._where.get(key)
-            if where is not None:
-                dropped.append((key, where))
+            if where is None:
+                continue
+            dropped.append((key, where))
+            if where[0] in self._own:
                 self._drop(where)
+            else:
+                self._unindex_other(*where)
         if dropped:
             self.notify_removed([key for key, _ in dropped])
             await self.run_blocking(self._log_deletions, dropped)
         return len(dropped)
 
     def backend_stats(self) -> dict[str, Any]:
+        own = list(self._own.values())
         return {
             "root": str(self.root),
             "blocks": len(self._where),
-            # list(): worker threads may add a slab meanwhile; copying is atomic under the GIL.
-            "used_bytes": sum(s.allocated + s.log_entries * ENTRY for s in list(self._slabs.values())),
+            "own_blocks": len(self._lru) + sum(1 for w in self._readers if w[0] in self._own),
+            "used_bytes": sum(s.end + s.log_entries * ENTRY for s in own),
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
             "fsync": self.fsync,
-            "slabs": len(self._slabs),
+            "slabs": len(own),
+            "shared_slabs": len(self._others),
             "evictions": self.counters["evictions"],
             "corrupt_blocks": self.counters["corrupt_blocks"],
+            "stale_blocks": self.counters["stale_blocks"],
             "write_errors": self.counters["write_errors"],
             "stores_without_room": self.counters["stores_without_room"],
             "out_of_space": self.counters["out_of_space"],

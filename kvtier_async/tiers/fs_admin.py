@@ -1,28 +1,37 @@
-"""Offline maintenance of a file-system tier root: `kvtier fs stat | verify | gc`.
+"""Maintenance of a file-system tier root: `kvtier fs stat | verify | gc`.
 
-These run while no tier has the namespace open: each takes the namespace's
-lock and refuses if a process holds it.
+All three are safe while processes use the root. `stat` only reads logs.
+`verify` checks every block against its log entry and, with `remove`, logs a
+deletion for a corrupt one; a record its writer is rewriting right now is
+recognised (its writer logs a deletion first) and skipped, not reported.
+`gc` removes and compacts only slabs no process writes at the moment: a slab
+with a live writer is left to it (its writer keeps it within capacity).
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..block_format import HEADER_BYTES, CorruptBlockError, payload_checksum, read_header
+from ..block_format import payload_checksum
 from ..errors import KVTierError
 from .fs_layout import (
     ENTRY,
-    FILE_MODE,
     SLAB_RE,
+    Entry,
     compact_log,
     encode_entry,
+    latest_per_record,
+    read_log,
+    record_bytes_for,
     replay,
+    slab_is_owned,
+    slab_numbers,
     slab_path,
+    try_flock,
 )
 
 __all__ = ["NamespaceReport", "gc_root", "stat_root", "verify_root"]
@@ -32,9 +41,10 @@ __all__ = ["NamespaceReport", "gc_root", "stat_root", "verify_root"]
 class NamespaceReport:
     directory: Path
     namespace: str
-    record_bytes: int
+    block_nbytes: int
     blocks: int = 0
     slabs: int = 0
+    slabs_in_use: int = 0  # with a live writer right now
     bytes_on_disk: int = 0
     checked: int = 0
     corrupt: list[bytes] = field(default_factory=list)
@@ -42,7 +52,7 @@ class NamespaceReport:
 
 
 def _namespace_dirs(root: Path) -> Iterator[tuple[Path, str, int]]:
-    """(directory, namespace name, record size) for every namespace and record size under root."""
+    """(directory, namespace name, block size) for every namespace and block size under root."""
     if not root.is_dir():
         raise KVTierError(f"{root} is not a directory")
     for directory in sorted(root.glob("kvtier-*")):
@@ -51,134 +61,148 @@ def _namespace_dirs(root: Path) -> Iterator[tuple[Path, str, int]]:
         name_file = directory / "NAMESPACE"
         name = name_file.read_text().rstrip("\n") if name_file.exists() else "?"
         sizes = sorted({int(m[1]) for p in directory.iterdir() if (m := SLAB_RE.match(p.name)) is not None})
-        for record_bytes in sizes:
-            yield directory, name, record_bytes
+        for block_nbytes in sizes:
+            yield directory, name, block_nbytes
 
 
-@contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    fd = os.open(directory / "LOCK", os.O_CREAT | os.O_RDWR, FILE_MODE)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise KVTierError(f"{directory} is in use by a running tier") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def _disk_bytes(directory: Path, record_bytes: int) -> int:
+def _disk_bytes(directory: Path, block_nbytes: int) -> int:
     total = 0
     for path in directory.iterdir():
         m = SLAB_RE.match(path.name)
-        if m is not None and int(m[1]) == record_bytes:
-            total += path.stat().st_size
+        if m is not None and int(m[1]) == block_nbytes:
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                total += path.stat().st_size
     return total
+
+
+def _in_use(directory: Path, block_nbytes: int) -> int:
+    return sum(slab_is_owned(directory, block_nbytes, s) for s in slab_numbers(directory, block_nbytes))
 
 
 def stat_root(root: Path) -> list[NamespaceReport]:
     """Namespaces, blocks and bytes on disk under `root` (reads only the index logs)."""
     reports = []
-    for directory, name, record_bytes in _namespace_dirs(root):
-        found = replay(directory, record_bytes)
+    for directory, name, block_nbytes in _namespace_dirs(root):
+        found = replay(directory, block_nbytes)
         reports.append(
             NamespaceReport(
                 directory,
                 name,
-                record_bytes,
+                block_nbytes,
                 blocks=len(found.live),
                 slabs=len(found.slabs),
-                bytes_on_disk=_disk_bytes(directory, record_bytes),
+                slabs_in_use=_in_use(directory, block_nbytes),
+                bytes_on_disk=_disk_bytes(directory, block_nbytes),
             )
         )
     return reports
 
 
 def verify_root(root: Path, *, remove: bool = False) -> list[NamespaceReport]:
-    """Read every block and check its header and checksum; with `remove`, drop corrupt ones."""
+    """Read every block and check it against its log entry; with `remove`, drop corrupt ones."""
     reports = []
-    for directory, name, record_bytes in _namespace_dirs(root):
-        report = NamespaceReport(directory, name, record_bytes)
-        namespace = bytes.fromhex(directory.name.removeprefix("kvtier-"))
-        with _locked(directory):
-            found = replay(directory, record_bytes)
-            report.blocks, report.slabs = len(found.live), len(found.slabs)
-            seq = found.max_seq
-            for (slab, record), (key, _, _) in found.live.items():
-                report.checked += 1
-                if not _record_is_good(directory, record_bytes, slab, record, namespace, key):
-                    report.corrupt.append(key)
-                    if remove:
-                        seq += 1
-                        path = slab_path(directory, record_bytes, slab, "idx")
-                        with open(path, "ab") as log:
-                            log.write(encode_entry(seq, record, key, 0, deleted=True))
-        report.bytes_on_disk = _disk_bytes(directory, record_bytes)
+    for directory, name, block_nbytes in _namespace_dirs(root):
+        report = NamespaceReport(directory, name, block_nbytes)
+        for slab in slab_numbers(directory, block_nbytes):
+            report.slabs += 1
+            report.slabs_in_use += slab_is_owned(directory, block_nbytes, slab)
+            _verify_slab(directory, block_nbytes, slab, report, remove)
+        report.bytes_on_disk = _disk_bytes(directory, block_nbytes)
         reports.append(report)
     return reports
 
 
-def _record_is_good(
-    directory: Path, record_bytes: int, slab: int, record: int, namespace: bytes, key: bytes
-) -> bool:
-    path = slab_path(directory, record_bytes, slab, "kvs")
-    with open(path, "rb") as f:
-        f.seek(record * record_bytes)
-        data = f.read(record_bytes)
+def _verify_slab(
+    directory: Path, block_nbytes: int, slab: int, report: NamespaceReport, remove: bool
+) -> None:
+    log_path = slab_path(directory, block_nbytes, slab, "idx")
     try:
-        got_namespace, got_key, payload_len, checksum = read_header(data[:HEADER_BYTES])
-    except CorruptBlockError:
-        return False
-    if got_namespace != namespace or got_key != key:
-        return False
-    if payload_len > record_bytes - HEADER_BYTES or len(data) < HEADER_BYTES + payload_len:
-        return False
-    return payload_checksum(memoryview(data)[HEADER_BYTES : HEADER_BYTES + payload_len]) == checksum
+        entries, _, _ = read_log(log_path)
+        data_fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY)
+    except FileNotFoundError:
+        return  # removed meanwhile
+    try:
+        for record, entry in latest_per_record(entries).items():
+            if entry.deleted:
+                continue
+            report.blocks += 1
+            report.checked += 1
+            if _matches(data_fd, block_nbytes, record, entry):
+                continue
+            # Its writer may be rewriting it: then the log no longer names this block.
+            latest, _, _ = read_log(log_path)
+            if latest_per_record(latest).get(record) != entry:
+                continue
+            if _matches(data_fd, block_nbytes, record, entry):
+                continue
+            report.corrupt.append(entry.key)
+            if remove:
+                fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+                try:  # one O_APPEND write of a whole entry: never interleaves with the writer's
+                    os.write(fd, encode_entry(entry.seq + 1, record, entry.key, 0, deleted=True))
+                finally:
+                    os.close(fd)
+    finally:
+        os.close(data_fd)
+
+
+def _matches(data_fd: int, block_nbytes: int, record: int, entry: Entry) -> bool:
+    data = os.pread(data_fd, block_nbytes, record * record_bytes_for(block_nbytes))
+    return len(data) == block_nbytes and payload_checksum(data) == entry.checksum
 
 
 def gc_root(root: Path, capacity_bytes: int) -> list[NamespaceReport]:
     """Bring each namespace within `capacity_bytes` on disk, dropping its oldest slabs first.
 
-    A slab's age is that of the newest block it holds. Kept slabs are renumbered
-    from 0 and their logs compacted, so a tier opened with this capacity keeps them.
+    A slab's age is that of the newest block it holds. Slabs a live process
+    writes are counted but neither removed nor rewritten; kept slabs without a
+    writer have their logs compacted.
     """
     reports = []
-    for directory, name, record_bytes in _namespace_dirs(root):
-        report = NamespaceReport(directory, name, record_bytes)
-        with _locked(directory):
-            found = replay(directory, record_bytes)
-            newest: dict[int, int] = dict.fromkeys(found.slabs, 0)
-            live_in: dict[int, int] = dict.fromkeys(found.slabs, 0)
-            for (slab, _), (_, seq, _) in found.live.items():
-                newest[slab] = max(newest[slab], seq)
-                live_in[slab] += 1
-            kept: list[int] = []
-            used = 0
-            for slab in sorted(found.slabs, key=lambda s: newest[s], reverse=True):
-                size = found.slabs[slab] * record_bytes + 4 * found.slabs[slab] * ENTRY
-                if used + size <= capacity_bytes and live_in[slab]:
-                    kept.append(slab)
-                    used += size
-            before = _disk_bytes(directory, record_bytes)
-            for slab in found.slabs:
-                if slab not in kept:
-                    for kind in ("kvs", "idx"):
-                        slab_path(directory, record_bytes, slab, kind).unlink(missing_ok=True)
-            for number, slab in enumerate(sorted(kept)):
-                idx = slab_path(directory, record_bytes, slab, "idx")
-                if idx.exists():
-                    compact_log(idx)
-                if number != slab:
-                    for kind in ("kvs", "idx"):
-                        os.replace(
-                            slab_path(directory, record_bytes, slab, kind),
-                            slab_path(directory, record_bytes, number, kind),
-                        )
-            after = _disk_bytes(directory, record_bytes)
-        report.removed_bytes = before - after
-        report.bytes_on_disk = after
-        report.slabs = len(kept)
-        report.blocks = sum(live_in[s] for s in kept)
+    for directory, name, block_nbytes in _namespace_dirs(root):
+        report = NamespaceReport(directory, name, block_nbytes)
+        record_bytes = record_bytes_for(block_nbytes)
+        before = _disk_bytes(directory, block_nbytes)
+        found = replay(directory, block_nbytes)
+        newest: dict[int, int] = dict.fromkeys(found.slabs, 0)
+        live_in: dict[int, int] = dict.fromkeys(found.slabs, 0)
+        for (slab, _), (_, seq, _) in found.live.items():
+            newest[slab] = max(newest[slab], seq)
+            live_in[slab] += 1
+        used = 0
+        for slab in sorted(found.slabs, key=lambda s: newest[s], reverse=True):
+            size = found.slabs[slab] * record_bytes + 4 * found.slabs[slab] * ENTRY
+            fits = used + size <= capacity_bytes and live_in[slab] > 0
+            kept = _collect_slab(directory, block_nbytes, slab, remove=not fits)
+            if kept:
+                used += size
+                report.slabs += 1
+                report.blocks += live_in[slab]
+            report.slabs_in_use += kept == "in use"
+        report.bytes_on_disk = _disk_bytes(directory, block_nbytes)
+        report.removed_bytes = max(0, before - report.bytes_on_disk)
         reports.append(report)
     return reports
+
+
+def _collect_slab(directory: Path, block_nbytes: int, slab: int, *, remove: bool) -> str:
+    """Remove a slab, or compact its log; "in use" (left alone), "kept" or "" (removed)."""
+    data_path = slab_path(directory, block_nbytes, slab, "kvs")
+    try:
+        fd = os.open(data_path, os.O_RDWR)
+    except FileNotFoundError:
+        return ""
+    try:
+        if not try_flock(fd):
+            return "in use"
+        # Its writer's lock, held until we close: nobody takes the slab meanwhile.
+        log_path = slab_path(directory, block_nbytes, slab, "idx")
+        if remove:
+            data_path.unlink(missing_ok=True)
+            log_path.unlink(missing_ok=True)
+            return ""
+        if log_path.exists():
+            compact_log(log_path)
+        return "kept"
+    finally:
+        os.close(fd)

@@ -1,56 +1,82 @@
-"""On-disk layout of the file-system tier: slab files of fixed-size records plus index logs.
+"""On-disk layout of the file-system tier (format 2): slab files of bare records plus index logs.
 
-    ROOT/kvtier-<namespace id hex>/            0700, one per namespace
+    ROOT/kvtier-<namespace id hex>/            0700, one per namespace, shared by processes
+        FORMAT                                 "kvtier-fs 2": the layout version
         NAMESPACE                              the namespace's name (for `kvtier fs stat`)
-        LOCK                                   flock()ed by the one process using the directory
-        slab-<record bytes>-<n>.kvs            0600, preallocated: records of one size
-        slab-<record bytes>-<n>.idx            0600, append-only log of what each record holds
+        slab-<block bytes>-<n>.kvs             0600: records of one block size, nothing else
+        slab-<block bytes>-<n>.idx             0600: append-only log of what each record holds
 
-A record is a block in the self-verifying format of `kvtier_async.block_format`
-(4096-byte header, then the payload padded to a multiple of 4096), at offset
-`i * record_bytes` of its slab. Packing many records into one preallocated
-file avoids a file creation per block, which this class of disk cannot do
-faster than a few thousand times a second.
+A record is a block's payload padded to a multiple of 4096, at offset
+`i * record_bytes` of its slab: records and primary slots are both page
+aligned, so O_DIRECT moves a run of neighbouring records to or from
+neighbouring slots in one piece. Packing records into a few files avoids a
+file creation per block, which this class of disk cannot do faster than a
+few thousand times a second.
 
-A record becomes visible only after its bytes are written and then an index
-entry naming it is appended to the slab's log; a reader always re-checks the
-record's own header and checksum, so a torn write or a stale entry reads as a
-miss, never as wrong bytes. Index entries are fixed-size and checksummed; a
-torn last entry is ignored. Replaying the logs (the latest entry per record
-wins) rebuilds the index without reading any payload, in write order, which
-is the LRU order after a restart.
+What a record holds lives only in its slab's log: fixed-size, checksummed
+entries (key, payload checksum, or a deletion), the last entry for a record
+wins. A writer appends an entry only after the record's bytes are written,
+and appends a deletion before it overwrites a record that held something, so
+a reader never takes a record's bytes for more than the entry says, and a
+reader always checks the payload against the entry's checksum: a torn write,
+a stale entry or a record being rewritten reads as a miss, never as wrong
+bytes. A torn last entry (a writer killed mid-append) ends the log.
+
+Several processes share a namespace. Each slab has one writer at a time: the
+process holding an exclusive `flock` on its data file (released by the kernel
+when that process exits, however it exits). Anyone reads any slab, following
+its log. Slab numbers run below the namespace's capacity in slabs, so the
+capacity bound holds for every process together.
+
+Format 1 (kvtier_async before this layout) put a 4096-byte header before
+every payload and had one process lock the whole directory; `prepare_directory`
+removes such a cache when no format-1 process holds it, and refuses otherwise.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
+import logging
 import os
 import re
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
-from ..block_format import HEADER_BYTES, namespace_id
+from ..block_format import namespace_id
+from ..errors import KVTierError, NamespaceInUseError
 
 __all__ = [
     "ENTRY",
+    "FORMAT_VERSION",
     "Entry",
     "NamespaceDir",
+    "compact_log",
     "decode_entries",
     "encode_entry",
     "namespace_dir_name",
+    "prepare_directory",
+    "read_log",
     "record_bytes_for",
     "replay",
 ]
 
+log = logging.getLogger(__name__)
+
 ALIGN = 4096
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+FORMAT_VERSION = 2
+FORMAT_TEXT = f"kvtier-fs {FORMAT_VERSION}\n"
 _ENTRY_FIELDS = struct.Struct("<IQIBB128sQ")  # magic, seq, record, flags, key_len, key, checksum
 ENTRY = _ENTRY_FIELDS.size + 8  # fields + their XXH3-64
-_ENTRY_MAGIC = 0x4B565449  # "KVTI"
+_ENTRY_MAGIC = 0x4B565432  # "KVT2"
 FLAG_DELETED = 1
 SLAB_RE = re.compile(r"^slab-(\d+)-(\d+)\.(kvs|idx)$")
 
@@ -60,7 +86,7 @@ def namespace_dir_name(namespace: str) -> str:
 
 
 def record_bytes_for(block_nbytes: int) -> int:
-    return HEADER_BYTES + -(-block_nbytes // ALIGN) * ALIGN
+    return -(-block_nbytes // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,66 +120,91 @@ def decode_entries(data: bytes) -> list[Entry]:
     return out
 
 
+def read_log(path: Path, offset: int = 0) -> tuple[list[Entry], int, int]:
+    """(whole entries from `offset`, the offset after the last of them, the log's inode).
+
+    An entry being appended right now, or torn by a writer that died, stops the
+    read; a later read from the returned offset picks up what follows.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        inode = os.fstat(fd).st_ino
+        chunks = []
+        position = offset
+        while chunk := os.pread(fd, 1 << 20, position):
+            chunks.append(chunk)
+            position += len(chunk)
+    finally:
+        os.close(fd)
+    entries = decode_entries(b"".join(chunks))
+    return entries, offset + len(entries) * ENTRY, inode
+
+
+def latest_per_record(entries: list[Entry]) -> dict[int, Entry]:
+    """The last entry for each record, in log order (a later entry always wins)."""
+    latest: dict[int, Entry] = {}
+    for e in entries:
+        latest.pop(e.record, None)  # re-insert: the dict's order is the order of the last writes
+        latest[e.record] = e
+    return latest
+
+
 @dataclass(slots=True)
 class NamespaceDir:
-    """What replaying one namespace directory found, for one record size."""
+    """What replaying one namespace directory found, for one block size."""
 
     path: Path
-    record_bytes: int
-    #: slab number -> records its data file can hold (from its size)
+    block_nbytes: int
+    #: slab number -> records its data file holds bytes for (from its size)
     slabs: dict[int, int] = field(default_factory=dict)
     #: live records, oldest write first: (slab, record) -> (key, seq, checksum)
     live: dict[tuple[int, int], tuple[bytes, int, int]] = field(default_factory=dict)
-    #: entries in each slab's log, live or not (to decide on compaction)
+    #: entries in each slab's log, live or not
     log_entries: dict[int, int] = field(default_factory=dict)
     max_seq: int = 0
-    removed_temporaries: int = 0
 
 
-def slab_path(directory: Path, record_bytes: int, slab: int, kind: str) -> Path:
-    return directory / f"slab-{record_bytes}-{slab:06d}.{kind}"
+def slab_path(directory: Path, block_nbytes: int, slab: int, kind: str) -> Path:
+    return directory / f"slab-{block_nbytes}-{slab:06d}.{kind}"
 
 
-def replay(directory: Path, record_bytes: int) -> NamespaceDir:
-    """Rebuild the index of one namespace directory from its logs; reads no payload.
+def slab_numbers(directory: Path, block_nbytes: int) -> list[int]:
+    """Slabs of this block size that have a data file."""
+    numbers = []
+    for name in os.listdir(directory):
+        match = SLAB_RE.match(name)
+        if match and int(match[1]) == block_nbytes and match[3] == "kvs":
+            numbers.append(int(match[2]))
+    return sorted(numbers)
 
-    Removes temporary files left by a crash. Entries pointing past the end of
-    their data file (truncated, or missing) are dropped.
-    """
-    found = NamespaceDir(directory, record_bytes)
-    for entry in os.scandir(directory):
-        if entry.name.endswith(".tmp"):
-            os.unlink(entry.path)
-            found.removed_temporaries += 1
-            continue
-        match = SLAB_RE.match(entry.name)
-        if match and int(match[1]) == record_bytes and match[3] == "kvs":
-            found.slabs[int(match[2])] = entry.stat().st_size // record_bytes
-    latest: dict[tuple[int, int], Entry] = {}
-    for slab in sorted(found.slabs):
+
+def replay(directory: Path, block_nbytes: int) -> NamespaceDir:
+    """The index of one namespace directory, from its logs; reads no payload and changes nothing,
+    so it is safe while processes use the directory."""
+    found = NamespaceDir(directory, block_nbytes)
+    record_bytes = record_bytes_for(block_nbytes)
+    latest: list[tuple[int, int, Entry]] = []
+    for slab in slab_numbers(directory, block_nbytes):
         try:
-            data = slab_path(directory, record_bytes, slab, "idx").read_bytes()
+            size = os.stat(slab_path(directory, block_nbytes, slab, "kvs")).st_size
+            entries, _, _ = read_log(slab_path(directory, block_nbytes, slab, "idx"))
         except FileNotFoundError:
-            continue
-        entries = decode_entries(data)
+            continue  # removed meanwhile, or a log not made yet
+        found.slabs[slab] = size // record_bytes
         found.log_entries[slab] = len(entries)
         for e in entries:
             found.max_seq = max(found.max_seq, e.seq)
-            if e.record >= found.slabs[slab]:
-                continue  # the data file is shorter than this record: it is gone
-            old = latest.get((slab, e.record))
-            if old is None or e.seq > old.seq:
-                latest[(slab, e.record)] = e
-    # A key written twice (in two records) keeps its newest record.
+        latest += [(slab, record, e) for record, e in latest_per_record(entries).items()]
+    # Oldest first; a key found in two records (two processes stored it) keeps its newest.
     newest_of_key: dict[bytes, tuple[int, int]] = {}
-    for where, e in sorted(latest.items(), key=lambda item: item[1].seq):
+    for slab, record, e in sorted(latest, key=lambda item: item[2].seq):
+        if e.deleted or record >= found.slabs[slab]:
+            continue
         previous = newest_of_key.pop(e.key, None)
         if previous is not None:
             del found.live[previous]
-        if e.deleted:
-            continue
-        newest_of_key[e.key] = where
-        found.live[where] = (e.key, e.seq, e.checksum)
+        newest_of_key[e.key] = (slab, record)
+        found.live[(slab, record)] = (e.key, e.seq, e.checksum)
     return found
 
 
@@ -161,23 +212,142 @@ def compact_log(path: Path, *, fsync: bool = False) -> int:
     """Rewrite a log with only the latest entry per record, dropping deletions; returns entries.
 
     Writes a temporary file and renames it over the log, so a crash leaves
-    either log whole. The caller keeps other writers of this log out meanwhile.
+    either log whole; readers following the log see a new inode and read it
+    again from the start. The caller is the slab's one writer.
     """
-    latest: dict[int, Entry] = {}
-    for e in decode_entries(path.read_bytes()):
-        if e.record not in latest or e.seq > latest[e.record].seq:
-            latest[e.record] = e
-    keep = sorted((e for e in latest.values() if not e.deleted), key=lambda e: e.seq)
+    entries, _, _ = read_log(path)
+    keep = [e for e in latest_per_record(entries).values() if not e.deleted]
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
+    data = b"".join(encode_entry(e.seq, e.record, e.key, e.checksum) for e in keep)
     try:
-        os.write(fd, b"".join(encode_entry(e.seq, e.record, e.key, e.checksum) for e in keep))
-        if fsync:
-            os.fsync(fd)
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write of a compacted log")
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: the old log stands
+        raise
+    return len(keep)
+
+
+def try_flock(fd: int) -> bool:
+    """Take an exclusive flock on `fd` without waiting; False if another open file holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def slab_is_owned(directory: Path, block_nbytes: int, slab: int) -> bool:
+    """Whether a process holds this slab as its writer right now."""
+    try:
+        fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        return not try_flock(fd)
+    finally:
+        os.close(fd)  # closing drops a lock we took
+
+
+@contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """Serialise set-up and maintenance of one namespace directory among processes."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for milliseconds: waiting is fine
+        yield
     finally:
         os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     os.replace(tmp, path)
-    return len(keep)
+
+
+def prepare_directory(root: Path, directory: Path, namespace: str) -> None:
+    """Make (or check) a namespace directory of this format; a format-1 cache is removed when no
+    process of that version holds it, and any other format is refused, never misread."""
+    make_private_dir(root)
+    make_private_dir(directory)
+    os.chmod(directory, DIR_MODE)
+    with directory_lock(directory):
+        format_file = directory / "FORMAT"
+        try:
+            text = format_file.read_text()
+        except FileNotFoundError:
+            text = None
+        if text is not None and text != FORMAT_TEXT:
+            raise KVTierError(
+                f"fs tier: {directory} holds a cache in another format ({text.strip()!r}; this "
+                f"kvtier_async reads {FORMAT_TEXT.strip()!r}): use another root, or remove that "
+                "directory if no other version uses it"
+            )
+        if text is None:
+            _remove_format_1(directory)
+            _write_atomically(format_file, FORMAT_TEXT)
+        if not (directory / "NAMESPACE").exists():
+            _write_atomically(directory / "NAMESPACE", namespace + "\n")
+
+
+def _remove_format_1(directory: Path) -> None:
+    """Drop a format-1 cache (headers before payloads, one LOCK-holding process): it is a cache, so
+    it is rebuilt as blocks are stored. Refused while a format-1 process still holds it."""
+    old = [p for p in directory.iterdir() if SLAB_RE.match(p.name) or p.name == "LOCK"]
+    if not old:
+        return
+    lock = directory / "LOCK"
+    if lock.exists():
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            if not try_flock(fd):
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
+                raise NamespaceInUseError(
+                    f"fs tier: {directory} holds a format-1 cache in use by {holder} (an older "
+                    "kvtier_async); stop it, or give this process another root"
+                )
+        finally:
+            os.close(fd)
+    for path in old:
+        path.unlink(missing_ok=True)
+    log.warning(
+        "fs tier: removed a format-1 cache from %s (%d files); it refills as blocks are stored",
+        directory,
+        len(old),
+    )
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
+
+
+def reserve_log_room(fd: int, nbytes: int) -> None:
+    """Reserve disk blocks past the end of a log, so that appends find room on a full disk.
+
+    fallocate(FALLOC_FL_KEEP_SIZE) keeps the file's size; where the file system
+    cannot, appends take their chances.
+    """
+    if _libc is None:
+        return
+    keep_size = 1  # FALLOC_FL_KEEP_SIZE
+    while nbytes >= ALIGN:  # a nearly full disk gets what room there is
+        if _libc.fallocate(fd, keep_size, ctypes.c_long(0), ctypes.c_long(nbytes)) == 0:
+            return
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        if err != errno.ENOSPC:
+            raise OSError(err, os.strerror(err))
+        nbytes //= 4
 
 
 def make_private_dir(path: Path) -> None:
