@@ -106,7 +106,7 @@ class OffloadingSpec:
     max_inflight_loads: int | None = None
     """Concurrent `read_blocks` calls per tier; None: `io_threads`."""
     max_inflight_stores: int | None = None
-    """Concurrent `write_blocks` calls per tier; None: half of `io_threads`, at least 1."""
+    """Concurrent `write_blocks` calls per tier; None: `io_threads`."""
     max_pending_stores: int | None = None
     """Blocks waiting to be written per tier before stores are dropped; None: `num_cpu_blocks`."""
     io_threads: int | None = None
@@ -153,7 +153,9 @@ class OffloadingSpec:
         # the event loop: on 2 cores, 8 threads instead of 4 raised the loop's p99 lag during
         # cold loads from 2.1-3.4 to 3.2-6.3 ms (bench/loop_lag.py --io-threads) and read no
         # faster, a batch being one multi-MiB preadv that keeps several requests at the disk.
-        # Stores, the background work on half the threads, lose ~20% there (README).
+        # Stores may take every thread: a store-only burst then runs at disk speed, and a load
+        # still goes first, its lane's waiters being admitted ahead of any queued store
+        # (test_scheduling: a load is never behind queued stores).
         io_threads = self.io_threads or min(32, max(4, 2 * cpus))
         stride = self.block_stride
         batch_blocks = max(1, min(256, _BATCH_TARGET_BYTES // stride))
@@ -161,7 +163,7 @@ class OffloadingSpec:
             1, min(max(1, self.num_cpu_blocks // 4), max(batch_blocks, _CHUNK_TARGET_BYTES // stride))
         )
         loads = self.max_inflight_loads or io_threads
-        stores = self.max_inflight_stores or max(1, io_threads // 2)
+        stores = self.max_inflight_stores or io_threads
         every_lane_full = (loads + stores) * batch_blocks * stride * max(1, len(self.secondary_tiers))
         return SchedulerLimits(
             io_threads=io_threads,

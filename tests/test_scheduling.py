@@ -196,8 +196,8 @@ async def test_one_read_per_key_for_100_concurrent_loads_of_one_prefix() -> None
 
 @pytest.mark.asyncio
 async def test_the_defaults_admit_a_whole_primary_tier_of_stores_on_an_idle_tier() -> None:
-    # 512 blocks of 64 KiB in batches of 256: one batch in flight (2 threads), one pending.
-    spec = kt.OffloadingSpec(block_nbytes=64 << 10, num_cpu_blocks=512, io_threads=2)
+    # 512 blocks of 64 KiB in batches of 256: one batch in flight (one thread), one pending.
+    spec = kt.OffloadingSpec(block_nbytes=64 << 10, num_cpu_blocks=512, io_threads=1)
     assert spec.limits.max_inflight_stores == 1 and spec.limits.batch_blocks == 256
     primary = bytearray(spec.primary_nbytes)
     tier = kt.SecondaryTierFactory.create_secondary_tier(
@@ -212,3 +212,20 @@ async def test_the_defaults_admit_a_whole_primary_tier_of_stores_on_an_idle_tier
         tier.gates["write"].set()
         assert await store == [True] * 512
         assert tier.stats()["stores_dropped"] == 0
+
+
+@pytest.mark.asyncio
+async def test_by_default_a_store_burst_takes_every_io_thread_and_a_load_still_goes_first() -> None:
+    tier, primary = make_tier(io_threads=3)
+    async with tier:
+        assert await tier.store(keys(1), [5]) == [True]
+        tier.gates["write"].clear()
+        stores = [asyncio.ensure_future(tier.store([k], [i])) for i, k in enumerate(keys(9, start=100))]
+        await tier.until(lambda: tier.held["write"] == 3)  # every thread writes
+        load = asyncio.ensure_future(tier.load(keys(1), [40]))
+        await tier.until(lambda: tier.stats()["lanes"]["load"]["inflight"] == 1)  # admitted at once
+        tier.gates["write"].set()
+        assert await load == [True]
+        assert primary[40 * BLOCK : 41 * BLOCK] == bytes([5]) * BLOCK
+        await asyncio.gather(*stores)
+        assert tier.stats()["lanes"]["store"]["max_inflight_seen"] == 3
