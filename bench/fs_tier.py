@@ -1,17 +1,23 @@
 """Benchmark: FileSystemTier store / cold load against raw O_DIRECT I/O of the same bytes.
 
-    python bench/fs_tier.py                      # 1 GiB, 2 MiB and 64 KiB blocks, 8 threads
-    python bench/fs_tier.py --gib 0.25 --threads 4 8 16 --aiofiles
+    python bench/fs_tier.py                      # 1 GiB, 2 MiB / 32 MiB / 64 KiB blocks, 4 threads
+    python bench/fs_tier.py --gib 0.25 --threads 4 8 --memory anon shm --aiofiles
 
-For each block size and thread count, in one run and on one disk:
-- tier: `tier.store` of every block in one call, then (page cache dropped)
-  `tier.load` of every block in random order, checksums verified by the tier;
-- raw: plain threads doing O_DIRECT `pwrite`/`pread` of the same bytes. For
-  large blocks one file per block (create, write, close; open, read, close);
-  for small blocks distinct offsets of one preallocated file, reads in random
+For each block size, thread count and kind of primary memory, in one run and on one disk, in
+interleaved rounds (medians shown):
+- tier: `tier.store` of every block in one call at default limits (only `io_threads` set),
+  then, page cache dropped, `tier.load` of every block in random order into other slots
+  ("same tier"); then the tier closed, a new one opened on the same root (what a restarted
+  process does), page cache dropped, the same load again ("fresh tier"). Checksums are
+  always verified;
+- raw: plain threads doing O_DIRECT `pwrite`/`pread` of the same bytes from and into the
+  same memory. For large blocks one file per block (create, write, close; open, read,
+  close); for small blocks distinct offsets of one preallocated file, reads in random
   order (the device's IOPS limit);
 - aiofiles (with --aiofiles): one buffered file per block through aiofiles,
   the same concurrency, fsync-free: what many asyncio users would write.
+Primary memory is "anon" (our PrimaryTier: anonymous, huge pages, populated) or "shm" (a
+/dev/shm file mapping in 4 KiB pages, as vLLM hands its tiers). Blocks hold random bytes.
 Ratios are tier / raw throughput. Nothing here asserts: numbers go to the README.
 """
 
@@ -20,19 +26,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import os
 import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from common import GB, drop_cache, median_tree, run
 
 import kvtier_async as kt
-from kvtier_async.primary import reserve_host_memory
 from kvtier_async.tiers.fs import FileSystemTier
 
 
@@ -45,49 +53,62 @@ def rates(nbytes: int, store_s: float, load_s: float) -> dict[str, float]:
     }
 
 
-def fill_random(buffer: torch.Tensor) -> None:
-    buffer.view(-1)[:] = torch.randint(0, 256, (buffer.numel(),), dtype=torch.uint8)
+@contextmanager
+def primary_memory(kind: str, spec: kt.OffloadingSpec) -> Iterator[memoryview]:
+    """The primary region, filled with random bytes (so its pages exist, as in a running server)."""
+    if kind == "anon":
+        primary = kt.PrimaryTier(spec, pin_memory=False)
+        buffer, view = primary.buffer, primary.view
+    else:
+        path = f"/dev/shm/kvtier-bench-{os.getpid()}"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.unlink(path)
+        os.ftruncate(fd, spec.primary_nbytes)
+        mapping = mmap.mmap(fd, spec.primary_nbytes)
+        os.close(fd)
+        buffer, view = torch.frombuffer(mapping, dtype=torch.uint8), memoryview(mapping)
+    flat = buffer.view(-1)
+    for start in range(0, flat.numel(), 1 << 28):
+        part = flat[start : start + (1 << 28)]
+        part[:] = torch.randint(0, 256, (part.numel(),), dtype=torch.uint8)
+    yield view
+    del buffer, flat
 
 
-async def run_tier(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
+async def run_tier(work: Path, block_nbytes: int, count: int, threads: int, memory: str) -> dict[str, float]:
     spec = kt.OffloadingSpec(
-        block_nbytes=block_nbytes,
-        num_cpu_blocks=count,
-        namespace="bench",
-        io_threads=threads,
-        max_inflight_stores=threads,
-        max_inflight_loads=threads,
+        block_nbytes=block_nbytes, num_cpu_blocks=2 * count, namespace="bench", io_threads=threads
     )
-    primary = kt.PrimaryTier(spec, pin_memory=False)
-    fill_random(primary.buffer)
     keys = kt.block_hashes(range(count * 16), 16, namespace=f"bench-{block_nbytes}-{threads}")
-    slots = list(range(count))
-    tier = FileSystemTier(spec, primary.view, root=str(work), capacity_bytes=4 * count * spec.block_stride)
-    async with tier:
-        await tier.lookup(keys[:1])  # open outside the timed part
+    order = list(range(count))
+    random.Random(0).shuffle(order)
+    with primary_memory(memory, spec) as view:
+        tier = FileSystemTier(spec, view, root=str(work))
+        await tier.open()  # outside the timed part
         started = time.perf_counter()
-        stored = await tier.store(keys, slots)
+        stored = await tier.store(keys, list(range(count)))
         store_s = time.perf_counter() - started
         assert all(stored), "store failed"
-        await asyncio.to_thread(drop_cache, work)
-        order = list(range(count))
-        random.Random(0).shuffle(order)
-        expected = primary.buffer.clone()
-        primary.buffer.zero_()
-        started = time.perf_counter()
-        loaded = await tier.load([keys[i] for i in order], [slots[i] for i in order])
-        load_s = time.perf_counter() - started
-        assert all(loaded), "load missed"
-        assert torch.equal(primary.buffer, expected), "wrong bytes"
-        direct = tier.direct_io
-    return {**rates(count * block_nbytes, store_s, load_s), "direct_io": float(direct)}
+        loads = []
+        for fresh in (False, True):
+            if fresh:
+                await tier.aclose()
+                tier = FileSystemTier(spec, view, root=str(work))
+                await tier.open()
+            await asyncio.to_thread(drop_cache, work)
+            started = time.perf_counter()
+            loaded = await tier.load([keys[i] for i in order], [count + i for i in order])
+            loads.append(time.perf_counter() - started)
+            assert all(loaded), "load missed"
+        await tier.aclose()
+    out = rates(count * block_nbytes, store_s, loads[0])
+    out["fresh_load_gbps"] = count * block_nbytes / loads[1] / GB
+    return out
 
 
-def run_raw(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str, float]:
-    stride = -(-block_nbytes // 4096) * 4096
-    buffers = [memoryview(reserve_host_memory(stride)) for _ in range(threads)]  # like the primary tier's
-    for b in buffers:
-        b[:] = os.urandom(stride)
+def run_raw(work: Path, block_nbytes: int, count: int, threads: int, memory: str) -> dict[str, float]:
+    spec = kt.OffloadingSpec(block_nbytes=block_nbytes, num_cpu_blocks=2 * count, namespace="raw")
+    stride = spec.block_stride
     one_file_per_block = block_nbytes >= (1 << 20)
     work.mkdir(parents=True, exist_ok=True)
     big = work / "raw.bin"
@@ -96,38 +117,38 @@ def run_raw(work: Path, block_nbytes: int, count: int, threads: int) -> dict[str
         os.posix_fallocate(fd, 0, count * stride)
         os.close(fd)
     shared_fd = None if one_file_per_block else os.open(big, os.O_RDWR | os.O_DIRECT)
-
-    def write(worker: int) -> None:
-        buf = buffers[worker]
-        for i in range(worker, count, threads):
-            if one_file_per_block:
-                fd = os.open(work / f"b{i}", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-                os.pwrite(fd, buf, 0)
-                os.close(fd)
-            else:
-                os.pwrite(shared_fd, buf, i * stride)
-
     order = list(range(count))
     random.Random(0).shuffle(order)
+    with primary_memory(memory, spec) as view:
 
-    def read(worker: int) -> None:
-        buf = buffers[worker]
-        for i in order[worker::threads]:
-            if one_file_per_block:
-                fd = os.open(work / f"b{i}", os.O_RDONLY | os.O_DIRECT)
-                os.preadv(fd, [buf], 0)
-                os.close(fd)
-            else:
-                os.preadv(shared_fd, [buf], i * stride)
+        def write(worker: int) -> None:
+            for i in range(worker, count, threads):
+                slot = view[i * stride : (i + 1) * stride]
+                if one_file_per_block:
+                    fd = os.open(work / f"b{i}", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+                    os.pwrite(fd, slot, 0)
+                    os.close(fd)
+                else:
+                    os.pwrite(shared_fd, slot, i * stride)
 
-    with ThreadPoolExecutor(threads) as pool:
-        started = time.perf_counter()
-        list(pool.map(write, range(threads)))
-        store_s = time.perf_counter() - started
-        drop_cache(work)
-        started = time.perf_counter()
-        list(pool.map(read, range(threads)))
-        load_s = time.perf_counter() - started
+        def read(worker: int) -> None:
+            for i in order[worker::threads]:
+                slot = view[(count + i) * stride : (count + i + 1) * stride]
+                if one_file_per_block:
+                    fd = os.open(work / f"b{i}", os.O_RDONLY | os.O_DIRECT)
+                    os.preadv(fd, [slot], 0)
+                    os.close(fd)
+                else:
+                    os.preadv(shared_fd, [slot], i * stride)
+
+        with ThreadPoolExecutor(threads) as pool:
+            started = time.perf_counter()
+            list(pool.map(write, range(threads)))
+            store_s = time.perf_counter() - started
+            drop_cache(work)
+            started = time.perf_counter()
+            list(pool.map(read, range(threads)))
+            load_s = time.perf_counter() - started
     if shared_fd is not None:
         os.close(shared_fd)
     return rates(count * block_nbytes, store_s, load_s)
@@ -161,11 +182,12 @@ async def run_aiofiles(work: Path, block_nbytes: int, count: int, threads: int) 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="bytes moved per case, in GiB")
-    parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 64])
-    parser.add_argument("--threads", type=int, nargs="+", default=[8])
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768, 64])
+    parser.add_argument("--threads", type=int, nargs="+", default=[4])
+    parser.add_argument("--memory", nargs="+", default=["anon", "shm"], choices=["anon", "shm"])
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--aiofiles", action="store_true", help="also measure aiofiles")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per case; medians are shown")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds per case; medians shown")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir))
@@ -175,43 +197,49 @@ async def main() -> None:
             block = kib * 1024
             count = max(1, int(args.gib * (1 << 30)) // block)
             for threads in args.threads:
-                case = base / f"{kib}k-{threads}"
-                tiers, raws, aios = [], [], []
-                for attempt in range(args.repeat):  # interleaved, so drifts hit both alike
-                    tiers.append(await run_tier(case / f"tier{attempt}", block, count, threads))
-                    raws.append(
-                        await asyncio.to_thread(run_raw, case / f"raw{attempt}", block, count, threads)
+                for memory in args.memory:
+                    case = base / f"{kib}k-{threads}-{memory}"
+                    tiers, raws, aios = [], [], []
+                    for attempt in range(args.repeat):  # interleaved, so drifts hit both alike
+                        tiers.append(await run_tier(case / f"tier{attempt}", block, count, threads, memory))
+                        raws.append(
+                            await asyncio.to_thread(
+                                run_raw, case / f"raw{attempt}", block, count, threads, memory
+                            )
+                        )
+                        if args.aiofiles:
+                            aios.append(await run_aiofiles(case / f"aio{attempt}", block, count, threads))
+                        await asyncio.to_thread(shutil.rmtree, case, True)
+                    tier, raw = median_tree(tiers), median_tree(raws)
+                    row = {
+                        "block_kib": kib,
+                        "blocks": count,
+                        "threads": threads,
+                        "memory": memory,
+                        "repeats": args.repeat,
+                        "tier": tier,
+                        "raw": raw,
+                        "store_ratio": tier["store_gbps"] / raw["store_gbps"],
+                        "load_ratio": tier["load_gbps"] / raw["load_gbps"],
+                        "fresh_load_ratio": tier["fresh_load_gbps"] / raw["load_gbps"],
+                    }
+                    if aios:
+                        row["aiofiles"] = median_tree(aios)
+                    rows.append(row)
+                    extra = ""
+                    if "aiofiles" in row:
+                        extra = (
+                            f" | aiofiles store {row['aiofiles']['store_gbps']:.2f} "
+                            f"load {row['aiofiles']['load_gbps']:.2f}"
+                        )
+                    print(
+                        f"{kib:>5} KiB x {count:>6} threads {threads:>2} {memory:<4} "
+                        f"store tier {tier['store_gbps']:.2f} GB/s raw {raw['store_gbps']:.2f} "
+                        f"({row['store_ratio']:.2f}x)  load tier {tier['load_gbps']:.2f} "
+                        f"fresh tier {tier['fresh_load_gbps']:.2f} raw {raw['load_gbps']:.2f} "
+                        f"({row['load_ratio']:.2f}x / {row['fresh_load_ratio']:.2f}x){extra}",
+                        flush=True,
                     )
-                    if args.aiofiles:
-                        aios.append(await run_aiofiles(case / f"aio{attempt}", block, count, threads))
-                    await asyncio.to_thread(shutil.rmtree, case, True)
-                tier, raw = median_tree(tiers), median_tree(raws)
-                row = {
-                    "block_kib": kib,
-                    "blocks": count,
-                    "threads": threads,
-                    "repeats": args.repeat,
-                    "tier": tier,
-                    "raw": raw,
-                    "store_ratio": tier["store_gbps"] / raw["store_gbps"],
-                    "load_ratio": tier["load_gbps"] / raw["load_gbps"],
-                }
-                if aios:
-                    row["aiofiles"] = median_tree(aios)
-                rows.append(row)
-                extra = ""
-                if "aiofiles" in row:
-                    extra = (
-                        f" | aiofiles store {row['aiofiles']['store_gbps']:.2f} "
-                        f"load {row['aiofiles']['load_gbps']:.2f}"
-                    )
-                print(
-                    f"{kib:>5} KiB x {count:>6}  threads {threads:>2}  "
-                    f"store tier {tier['store_gbps']:.2f} GB/s raw {raw['store_gbps']:.2f} "
-                    f"({row['store_ratio']:.2f}x)  load tier {tier['load_gbps']:.2f} "
-                    f"raw {raw['load_gbps']:.2f} ({row['load_ratio']:.2f}x){extra}",
-                    flush=True,
-                )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     if args.json:

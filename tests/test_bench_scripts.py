@@ -40,8 +40,10 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
         out,
     )
     rows = json.loads(out.read_text())
-    assert {row["block_kib"] for row in rows} == {2048, 64}
-    assert all(row["tier"]["store_gbps"] > 0 and row["raw"]["load_gbps"] > 0 for row in rows)
+    assert {(row["block_kib"], row["memory"]) for row in rows} == {
+        (kib, memory) for kib in (2048, 32768, 64) for memory in ("anon", "shm")
+    }
+    assert all(row["tier"]["fresh_load_gbps"] > 0 and row["raw"]["load_gbps"] > 0 for row in rows)
 
 
 def test_fs_open_bench_runs(tmp_path: Path) -> None:
