@@ -621,7 +621,7 @@ class FileSystemTier(SecondaryTierManager):
         todo: list[int] = []
         for slab, ns in by_slab.items():
             reused = [n for n in ns if jobs[n][3]]
-            if reused:
+            if reused:  # a deletion is of a record: the key it carries is only informative
                 entries = b"".join(
                     encode_entry(self._next_seq(), jobs[n][1][1], jobs[n][0], 0, deleted=True) for n in reused
                 )
