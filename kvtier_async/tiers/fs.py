@@ -36,6 +36,7 @@ from .fs_layout import (
     ENTRY,
     FILE_MODE,
     Entry,
+    allocate,
     compact_log,
     encode_entry,
     is_out_of_space,
@@ -60,6 +61,7 @@ DEFAULT_CAPACITY_BYTES = 64 << 30
 #: Default `refresh_interval_s`: how stale this process's view of other processes' blocks may be.
 DEFAULT_REFRESH_INTERVAL_S = 0.05
 SLAB_TARGET_BYTES = 256 << 20  # records per slab file, at most
+MIN_SLABS = 16  # a namespace has at least this many slabs (if it holds that many records)
 _IOV_MAX = 1024
 Record = tuple[int, int]  # (slab, record index)
 
@@ -84,6 +86,7 @@ class _OtherSlab:
     log_inode: int = 0
     log_offset: int = 0
     records: set[int] = field(default_factory=set)  # those in our index
+    newest: int = 0  # the newest entry's sequence number (wall-clock ns): the slab's age
     readers: int = 0  # reads in flight on data_fd
     gone: bool = False  # forgotten: data_fd closes when the last reader is done
 
@@ -107,6 +110,7 @@ class _Claim:
     slab: int
     state: _OwnSlab
     entries: list[Entry]
+    disk_full: bool  # the disk had room for only part of it
 
 
 def _address(view: memoryview) -> int:
@@ -204,11 +208,13 @@ class FileSystemTier(SecondaryTierManager):
         self._doomed: set[Record] = set()  # own, dropped while being read: freed at the last unpin
         self._free: list[Record] = []  # own records that hold nothing; popped from the end
         self._disk_live: set[Record] = set()  # own records whose last log entry names a block
+        self._age: dict[Record, int] = {}  # own published records: when written (wall-clock ns)
         self._own: dict[int, _OwnSlab] = {}
         self._others: dict[int, _OtherSlab] = {}
         self._slab_records = 1
         self._max_slabs = 0
         self._can_claim = True  # False until a refresh once no slab could be claimed
+        self._may_create = True  # False once every slab number below the capacity exists
         self._disk_full = False
         self._claiming: asyncio.Future[None] | None = None
         self._refreshing: asyncio.Future[None] | None = None
@@ -243,7 +249,8 @@ class FileSystemTier(SecondaryTierManager):
             self.capacity_bytes = self.requested_capacity
         # Room for each record and, at worst, four log entries about it before compaction.
         max_records = max(1, self.capacity_bytes // (self.record_bytes + 4 * ENTRY))
-        self._slab_records = max(1, min(max_records, SLAB_TARGET_BYTES // self.record_bytes))
+        # At least MIN_SLABS slabs where the capacity allows: each writing process needs one.
+        self._slab_records = max(1, min(max_records // MIN_SLABS, SLAB_TARGET_BYTES // self.record_bytes))
         self._max_slabs = max(1, max_records // self._slab_records)
 
     def _data_flags(self) -> int:
@@ -300,6 +307,7 @@ class FileSystemTier(SecondaryTierManager):
             self._apply_news(item)
         self._last_refresh = time.monotonic()
         self._can_claim = not self._disk_full  # a process may have exited, leaving its slabs
+        self._may_create = len(self._own) + len(self._others) < self._max_slabs
 
     def _read_news(
         self, known: dict[int, tuple[int, int]], own: set[int]
@@ -351,6 +359,7 @@ class FileSystemTier(SecondaryTierManager):
             for record in list(other.records):
                 self._unindex_other(news.slab, record)
         other.log_inode, other.log_offset = news.inode, news.offset
+        other.newest = max([other.newest, *(e.seq for e in news.entries)])
         for e in news.entries:
             self._unindex_other(news.slab, e.record)
             if not e.deleted:
@@ -386,8 +395,14 @@ class FileSystemTier(SecondaryTierManager):
     # -- room: claiming slabs, evicting ----------------------------------------------------------
     async def _take_record(self) -> tuple[Record, bool] | None:
         """A record to write into, and whether its last log entry names a block (then a deletion
-        goes first); None when the namespace is full and nothing of ours may be evicted."""
-        while not self._free and self._can_claim:
+        goes first); None when the namespace is full and nothing of ours may be evicted.
+
+        Room comes from, in turn: our free records; a new slab below the capacity; a slab whose
+        writer has exited, if its newest block is older than our oldest (so a restarted
+        process, or several, take the old slabs over one at a time, as their blocks age out);
+        our least recently used block.
+        """
+        while not self._free and self._can_claim and (self._may_create or self._adoptable()):
             if self._claiming is None:
                 self._claiming = asyncio.ensure_future(self._claim_task())
                 self._claiming.add_done_callback(self._claim_done)
@@ -401,10 +416,19 @@ class FileSystemTier(SecondaryTierManager):
             where, _ = self._lru.popitem(last=False)
             key, _ = self._entry.pop(where)
             del self._where[key]
+            self._age.pop(where, None)
             self.counters["evictions"] += 1
             self.notify_removed([key])
             return where, where in self._disk_live
         return None
+
+    def _adoptable(self) -> list[int]:
+        """Other slabs, oldest first, whose blocks are all older than our oldest one."""
+        oldest = self._age.get(next(iter(self._lru)), 0) if self._lru else None
+        return sorted(
+            (slab for slab, other in self._others.items() if oldest is None or other.newest < oldest),
+            key=lambda slab: self._others[slab].newest,
+        )
 
     def _claim_done(self, task: asyncio.Future[None]) -> None:
         self._claiming = None
@@ -415,28 +439,26 @@ class FileSystemTier(SecondaryTierManager):
                 log.warning("fs tier %r: claiming a slab failed: %s", self.name, task.exception())
 
     async def _claim_task(self) -> None:
-        claim = await self.run_blocking(self._claim_slab, set(self._own))
+        create = self._may_create
+        claim = await self.run_blocking(self._claim_slab, set(self._own), create, self._adoptable())
         if claim is None:
-            self._can_claim = False
+            self._may_create = False  # every number below the capacity is taken
+            self._can_claim = False  # until the next refresh: a writer may exit meanwhile
             return
-        self._take_claim(claim)
+        if claim.disk_full:
+            self.counters["out_of_space"] += 1
+            self._disk_full = True
+            self._can_claim = False
+        if claim.state.records:
+            self._take_claim(claim)
+        else:  # not a record's room left on the disk
+            await self.run_blocking(self._close_files, [claim.state], [])
 
-    def _claim_slab(self, own: set[int]) -> _Claim | None:
-        """Worker thread: become the writer of a slab nobody writes (its writer exited), else of a
-        new slab below the namespace's capacity; None if every slab has a live writer."""
-        present = slab_numbers(self.directory, self.block_nbytes)
-        for slab in present:
-            if slab in own or slab >= self._max_slabs:
-                continue
-            path = slab_path(self.directory, self.block_nbytes, slab, "kvs")
-            try:
-                fd = os.open(path, os.O_RDWR | self._data_flags())
-            except FileNotFoundError:
-                continue
-            if try_flock(fd) and os.fstat(fd).st_nlink:  # not removed while we opened it
-                return self._adopt(slab, fd)
-            os.close(fd)
-        for slab in range(self._max_slabs):
+    def _claim_slab(self, own: set[int], create: bool, adoptable: list[int]) -> _Claim | None:
+        """Worker thread: become the writer of a new slab below the namespace's capacity, else of
+        the first of `adoptable` whose writer has exited; None if neither is possible."""
+        present = set(slab_numbers(self.directory, self.block_nbytes))
+        for slab in range(self._max_slabs) if create else ():
             if slab in own or slab in present:
                 continue
             path = slab_path(self.directory, self.block_nbytes, slab, "kvs")
@@ -449,6 +471,17 @@ class FileSystemTier(SecondaryTierManager):
                     self._fsync_directory()
                 return self._adopt(slab, fd)
             os.close(fd)  # another process took it as it was made
+        for slab in adoptable:
+            if slab in own or slab >= self._max_slabs:
+                continue
+            path = slab_path(self.directory, self.block_nbytes, slab, "kvs")
+            try:
+                fd = os.open(path, os.O_RDWR | self._data_flags())
+            except FileNotFoundError:
+                continue
+            if try_flock(fd) and os.fstat(fd).st_nlink:  # not removed while we opened it
+                return self._adopt(slab, fd)
+            os.close(fd)
         return None
 
     def _adopt(self, slab: int, data_fd: int) -> _Claim:
@@ -461,11 +494,12 @@ class FileSystemTier(SecondaryTierManager):
                 entries, end, _ = read_log(log_path)
                 if os.fstat(log_fd).st_size != end:
                     os.ftruncate(log_fd, end)  # a torn last entry would hide every later one
-                records = self._slab_records
                 size = os.fstat(data_fd).st_size
-                if size > records * self.record_bytes:  # made by a process with a larger capacity
-                    os.ftruncate(data_fd, records * self.record_bytes)
-                    size = records * self.record_bytes
+                if size > self._slab_records * self.record_bytes:  # made with a larger capacity
+                    size = self._slab_records * self.record_bytes
+                    os.ftruncate(data_fd, size)
+                size, disk_full = self._allocate_slab(data_fd, size)
+                records = size // self.record_bytes
                 reserve_log_room(log_fd, end + 4 * records * ENTRY)
             except BaseException:
                 os.close(log_fd)
@@ -474,7 +508,34 @@ class FileSystemTier(SecondaryTierManager):
             os.close(data_fd)
             raise
         state = _OwnSlab(records, data_fd, log_fd, len(entries), size)
-        return _Claim(slab, state, entries)
+        return _Claim(slab, state, entries, disk_full)
+
+    def _allocate_slab(self, data_fd: int, size: int) -> tuple[int, bool]:
+        """Allocate a slab's whole file now, before this process writes to it: (its size, whether
+        the disk was full).
+
+        Writes into allocated space run side by side under ext4's shared inode lock, where
+        writes into holes or past the end take it exclusively, one at a time; and allocating
+        later, in steps, waits each time for every direct I/O in flight on the file. A nearly
+        full disk gets the records that fit. Where the file system cannot allocate ahead, the
+        file grows as records are written.
+        """
+        rb = self.record_bytes
+        want = self._slab_records * rb
+        target = want
+        while target > size:
+            try:
+                if not allocate(data_fd, size, target - size):
+                    return want, False
+                return target, target < want
+            except OSError as exc:
+                if not is_out_of_space(exc):
+                    raise
+            # Each record keeps room for its log entries (reserved next: four per record) and for
+            # the compacted copy of the log that replaces it.
+            room = size + shutil.disk_usage(self.directory).free // (rb + 6 * ENTRY) * rb
+            target = room if room < target else size + (target - size) // 2 // rb * rb
+        return os.fstat(data_fd).st_size // self.record_bytes * self.record_bytes, size < want
 
     def _take_claim(self, claim: _Claim) -> None:
         slab, state = claim.slab, claim.state
@@ -492,6 +553,7 @@ class FileSystemTier(SecondaryTierManager):
                 continue  # we hold this key elsewhere: this record is room
             self._where[e.key] = where
             self._entry[where] = (e.key, e.checksum)
+            self._age[where] = e.seq
             if not self._readers[where]:
                 self._lru[where] = None
                 self._lru.move_to_end(where, last=False)
@@ -526,6 +588,7 @@ class FileSystemTier(SecondaryTierManager):
         self._where[key] = where
         self._entry[where] = (key, checksum)
         self._lru[where] = None
+        self._age[where] = time.time_ns()
         self._disk_live.add(where)
 
     def _drop(self, where: Record) -> None:
@@ -534,6 +597,7 @@ class FileSystemTier(SecondaryTierManager):
         if entry is not None and self._where.get(entry[0]) == where:
             del self._where[entry[0]]
         self._lru.pop(where, None)
+        self._age.pop(where, None)
         if self._readers[where]:
             self._doomed.add(where)
         else:

@@ -350,6 +350,19 @@ def reserve_log_room(fd: int, nbytes: int) -> None:
         nbytes //= 4
 
 
+def allocate(fd: int, offset: int, length: int) -> bool:
+    """fallocate(2) `length` bytes at `offset` (the file grows to cover them); False where the
+    file system cannot (never glibc's emulation, which writes every block). Raises ENOSPC."""
+    if _libc is None:
+        return False
+    if _libc.fallocate(fd, 0, ctypes.c_long(offset), ctypes.c_long(length)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
 def make_private_dir(path: Path) -> None:
     path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
 
