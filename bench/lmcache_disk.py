@@ -41,6 +41,7 @@ from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
 
 def drop_page_cache(directory: Path) -> None:
+    # kvtier_async.benchmark.drop_page_cache, restated: this runs where kvtier_async is not installed.
     for path in directory.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
