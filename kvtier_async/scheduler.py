@@ -156,6 +156,9 @@ class Scheduler:
         #: Bytes in hook calls in flight, every tier and direction together.
         self.bytes_in_flight = Lane("bytes_in_flight", limits.max_inflight_bytes)
         self._workers = WorkerThreads(limits.io_threads, "kvtier-io")
+        # CPU work a tier can take off its I/O threads (checksums), so that they go straight
+        # on to their next read or write.
+        self._cpu_workers = WorkerThreads(limits.copy_threads, "kvtier-cpu")
 
     @classmethod
     def from_spec(cls, spec: OffloadingSpec) -> Scheduler:
@@ -177,9 +180,14 @@ class Scheduler:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
         return await self._workers.run(fn, *args)
 
+    async def run_cpu(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-bound `fn(*args)` (one that releases the GIL) on the CPU worker threads."""
+        return await self._cpu_workers.run(fn, *args)
+
     def close(self) -> None:
         """Let the worker threads exit once idle; never blocks."""
         self._workers.close()
+        self._cpu_workers.close()
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per lane (`<tier>/load`, `<tier>/store`, `bytes_in_flight`): in flight, queued,

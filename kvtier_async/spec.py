@@ -104,7 +104,8 @@ class OffloadingSpec:
     namespace: str = "default"
     """Keeps caches of different models or layouts apart; part of every key and on-disk name."""
     max_inflight_loads: int | None = None
-    """Concurrent `read_blocks` calls per tier; None: `io_threads`."""
+    """Concurrent `read_blocks` calls per tier; None: twice `io_threads` (a read is queued for
+    each I/O thread while the last one's checksums are checked elsewhere)."""
     max_inflight_stores: int | None = None
     """Concurrent `write_blocks` calls per tier; None: `io_threads`."""
     max_pending_stores: int | None = None
@@ -162,7 +163,7 @@ class OffloadingSpec:
         chunk_blocks = max(
             1, min(max(1, self.num_cpu_blocks // 4), max(batch_blocks, _CHUNK_TARGET_BYTES // stride))
         )
-        loads = self.max_inflight_loads or io_threads
+        loads = self.max_inflight_loads or 2 * io_threads
         stores = self.max_inflight_stores or io_threads
         every_lane_full = (loads + stores) * batch_blocks * stride * max(1, len(self.secondary_tiers))
         return SchedulerLimits(

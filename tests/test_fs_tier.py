@@ -365,9 +365,9 @@ async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Pa
     capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
     started, release = threading.Event(), threading.Event()
-    original = tier._read_records
+    original = tier._read_runs
 
-    def gated_read(*args: Any) -> list[str]:
+    def gated_read(*args: Any) -> list[int]:
         started.set()
         release.wait(timeout=60)
         return original(*args)
@@ -375,10 +375,10 @@ async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Pa
     async with tier:
         victim = h.key_for(0)
         await h.store_keys(tier, primary, [victim])
-        tier._read_records = gated_read  # type: ignore[method-assign]
+        tier._read_runs = gated_read  # type: ignore[method-assign]
         reading = asyncio.ensure_future(tier.load([victim], [20]))
         await asyncio.to_thread(started.wait, 60)
-        tier._read_records = original  # type: ignore[method-assign]
+        tier._read_runs = original  # type: ignore[method-assign]
         # Fill the tier several times over: every other block gets evicted meanwhile.
         for start in range(1, 40, 4):
             await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])

@@ -37,7 +37,8 @@ def test_resolved_limits_fill_every_none() -> None:
     limits = spec.limits
     assert all(isinstance(v, int) and v > 0 for v in dataclasses.asdict(limits).values())
     assert limits.max_pending_stores == 512  # a whole primary tier's worth is admitted
-    assert limits.max_inflight_loads == limits.io_threads
+    assert limits.max_inflight_loads == 2 * limits.io_threads  # a read queued behind each one checked
+    assert limits.max_inflight_stores == limits.io_threads
     explicit = dataclasses.replace(
         spec, max_inflight_loads=3, max_inflight_stores=2, max_pending_stores=7, io_threads=5
     ).limits

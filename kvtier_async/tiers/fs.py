@@ -851,7 +851,8 @@ class FileSystemTier(SecondaryTierManager):
             for i, _, where, slab in jobs
         ]
         try:
-            outcome = await self.run_blocking(self._read_records, work)
+            got = await self.run_blocking(self._read_runs, work)
+            outcome = await self.scheduler.run_cpu(self._verify_records, work, got)
         finally:
             for _, _, where, slab in jobs:
                 self._unpin(where, slab)
@@ -891,28 +892,38 @@ class FileSystemTier(SecondaryTierManager):
         elif where in self._entry and where[0] in self._own:
             self._lru[where] = None  # most recently used now
 
-    def _read_records(self, jobs: list[tuple[int, Record, int, int]]) -> list[str]:
-        """Worker thread: read records and check them against their checksums.
-
-        "ok" / "corrupt" / "stale" (its writer is rewriting it) / "error" each.
-        """
-        status = ["error"] * len(jobs)
+    def _read_runs(self, jobs: list[tuple[int, Record, int, int]]) -> list[int]:
+        """Worker thread: read the records, one `preadv` per run of neighbours; per job, how many
+        of its bytes arrived (-1: the read failed). Checking them is `_verify_records`' work, off
+        this thread, which goes on to the next read meanwhile."""
+        got = [-1] * len(jobs)
         for run in self._runs([where for _, where, _, _ in jobs]):
             fd, (_, first), _, _ = jobs[run[0]]
             try:
-                got = os.preadv(fd, self._iov([jobs[n][3] for n in run]), first * self.record_bytes)
+                done = os.preadv(fd, self._iov([jobs[n][3] for n in run]), first * self.record_bytes)
             except OSError as exc:
                 log.warning("fs tier %r: reading %d records failed: %s", self.name, len(run), exc)
                 continue
             for k, n in enumerate(run):
-                _, where, checksum, offset = jobs[n]
-                payload = self.primary_kv_view[offset : offset + self.block_nbytes]
-                if got >= (k + 1) * self.record_bytes and payload_checksum(payload) == checksum:
-                    status[n] = "ok"
-                elif where[0] in self._own:
-                    status[n] = "corrupt"  # we are its only writer
-                else:
-                    status[n] = "corrupt" if self._log_still_names(where, checksum) else "stale"
+                got[n] = max(0, min(self.record_bytes, done - k * self.record_bytes))
+        return got
+
+    def _verify_records(self, jobs: list[tuple[int, Record, int, int]], got: list[int]) -> list[str]:
+        """Worker thread: check what arrived against the checksums in the index.
+
+        "ok" / "corrupt" / "stale" (its writer is rewriting it) / "error" (not read) each.
+        """
+        status = ["error"] * len(jobs)
+        for n, (_, where, checksum, offset) in enumerate(jobs):
+            if got[n] < 0:
+                continue
+            payload = self.primary_kv_view[offset : offset + self.block_nbytes]
+            if got[n] == self.record_bytes and payload_checksum(payload) == checksum:
+                status[n] = "ok"
+            elif where[0] in self._own:
+                status[n] = "corrupt"  # we are its only writer
+            else:
+                status[n] = "corrupt" if self._log_still_names(where, checksum) else "stale"
         return status
 
     def _log_still_names(self, where: Record, checksum: int) -> bool:
