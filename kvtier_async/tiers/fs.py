@@ -37,6 +37,7 @@ from .fs_layout import (
     FILE_MODE,
     Entry,
     allocate,
+    append_to_log,
     compact_log,
     encode_entry,
     is_out_of_space,
@@ -380,14 +381,12 @@ class FileSystemTier(SecondaryTierManager):
             other.records.discard(record)
 
     def _forget_other(self, slab: int) -> None:
-        other = self._others.pop(slab, None)
+        other = self._others.get(slab)
         if other is None:
             return
         for record in list(other.records):
-            where = (slab, record)
-            entry = self._entry.pop(where, None)
-            if entry is not None and self._where.get(entry[0]) == where:
-                del self._where[entry[0]]
+            self._unindex_other(slab, record)
+        del self._others[slab]
         other.gone = True
         if other.readers == 0:
             os.close(other.data_fd)
@@ -939,8 +938,7 @@ class FileSystemTier(SecondaryTierManager):
     def _log_deletions(self, dropped: list[tuple[bytes, Record]]) -> None:
         """Worker thread: deletions, so dropped records stay gone for every process and restart.
 
-        Our slabs' logs take them directly; another writer's log takes an O_APPEND write of
-        whole entries, which never interleaves with that writer's own appends.
+        Our slabs' logs take them directly, another writer's through `append_to_log`.
         """
         for key, (slab, record) in dropped:
             entry = encode_entry(self._next_seq(), record, key, 0, deleted=True)
@@ -948,12 +946,7 @@ class FileSystemTier(SecondaryTierManager):
                 if slab in self._own:
                     self._log(slab, entry, 1)
                     continue
-                path = slab_path(self.directory, self.block_nbytes, slab, "idx")
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-                try:
-                    os.write(fd, entry)
-                finally:
-                    os.close(fd)
+                append_to_log(slab_path(self.directory, self.block_nbytes, slab, "idx"), entry)
             except OSError as exc:
                 log.warning("fs tier %r: logging a deletion failed: %s", self.name, exc)
 

@@ -22,6 +22,7 @@ from .fs_layout import (
     ENTRY,
     SLAB_RE,
     Entry,
+    append_to_log,
     compact_log,
     encode_entry,
     latest_per_record,
@@ -137,11 +138,7 @@ def _verify_slab(
                 continue
             report.corrupt.append(entry.key)
             if remove:
-                fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-                try:  # one O_APPEND write of a whole entry: never interleaves with the writer's
-                    os.write(fd, encode_entry(entry.seq + 1, record, entry.key, 0, deleted=True))
-                finally:
-                    os.close(fd)
+                append_to_log(log_path, encode_entry(entry.seq + 1, record, entry.key, 0, deleted=True))
     finally:
         os.close(data_fd)
 

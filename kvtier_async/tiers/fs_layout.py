@@ -159,8 +159,6 @@ class NamespaceDir:
     slabs: dict[int, int] = field(default_factory=dict)
     #: live records, oldest write first: (slab, record) -> (key, seq, checksum)
     live: dict[tuple[int, int], tuple[bytes, int, int]] = field(default_factory=dict)
-    #: entries in each slab's log, live or not
-    log_entries: dict[int, int] = field(default_factory=dict)
     max_seq: int = 0
 
 
@@ -191,7 +189,6 @@ def replay(directory: Path, block_nbytes: int) -> NamespaceDir:
         except FileNotFoundError:
             continue  # removed meanwhile, or a log not made yet
         found.slabs[slab] = size // record_bytes
-        found.log_entries[slab] = len(entries)
         for e in entries:
             found.max_seq = max(found.max_seq, e.seq)
         latest += [(slab, record, e) for record, e in latest_per_record(entries).items()]
@@ -233,6 +230,16 @@ def compact_log(path: Path, *, fsync: bool = False) -> int:
         tmp.unlink(missing_ok=True)  # a full disk: the old log stands
         raise
     return len(keep)
+
+
+def append_to_log(path: Path, data: bytes) -> None:
+    """Append whole entries to a log another process may be writing: one O_APPEND write, which
+    never interleaves with that writer's own appends."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def try_flock(fd: int) -> bool:
