@@ -626,7 +626,15 @@ class FileSystemTier(SecondaryTierManager):
             if not jobs:
                 return results
             work = [(key, where, self._slot_offset(blocks[i]), deletion) for i, key, where, deletion in jobs]
-            status, checksums, full = await self.run_blocking(self._write_records, work)
+            # The checksums are taken on the CPU threads while the I/O thread writes, so the
+            # disk never waits for them; the log entries that carry them go last.
+            summing = asyncio.ensure_future(self.scheduler.run_cpu(self._checksums, [w[2] for w in work]))
+            try:
+                status, written, full = await self.run_blocking(self._write_data, work)
+            finally:
+                checksums = await summing
+            if written:
+                await self.run_blocking(self._log_written, work, written, checksums, status)
         except BaseException:
             # Cancelled (the thread, if any, has finished): these records are not published, and
             # what their log says now is unknown, so a deletion goes first when they are reused.
@@ -668,16 +676,21 @@ class FileSystemTier(SecondaryTierManager):
             state.records = max(1, min(state.records, state.end // self.record_bytes))
         self._free = [w for w in self._free if w[1] < self._own[w[0]].records]
 
-    def _write_records(
+    def _checksums(self, offsets: list[int]) -> list[int]:
+        """CPU thread: the payload checksums of the primary slots at `offsets`."""
+        view = self.primary_kv_view
+        return [payload_checksum(view[offset : offset + self.block_nbytes]) for offset in offsets]
+
+    def _write_data(
         self, jobs: list[tuple[bytes, Record, int, bool]]
     ) -> tuple[list[str], list[int], dict[int, int]]:
-        """Worker thread: log deletions of reused records, write the records, then log them.
+        """I/O thread: log deletions of reused records, then write the records' payloads.
 
-        Returns per job "ok" / "nospace" / "error" ("kept": not written, its old entry stands),
-        the payload checksums, and the data file sizes of slabs where the disk was full.
+        Returns per job "error" / "nospace" / "kept" (not written, its old entry stands) for
+        those not written, the jobs written (to be logged by `_log_written`), and the data
+        file sizes of slabs where the disk was full.
         """
         status = ["error"] * len(jobs)
-        checksums = [0] * len(jobs)
         by_slab: dict[int, list[int]] = {}
         for n, (_, (slab, _), _, _) in enumerate(jobs):
             by_slab.setdefault(slab, []).append(n)
@@ -695,9 +708,6 @@ class FileSystemTier(SecondaryTierManager):
                         status[n] = "kept" if jobs[n][3] else ("nospace" if is_out_of_space(exc) else "error")
                     continue
             todo += ns
-        for n in todo:
-            offset = jobs[n][2]
-            checksums[n] = payload_checksum(self.primary_kv_view[offset : offset + self.block_nbytes])
         full: dict[int, int] = {}
         written: list[int] = []
         for run in self._runs([jobs[n][1] for n in todo]):
@@ -715,11 +725,23 @@ class FileSystemTier(SecondaryTierManager):
             if done and self.fsync:
                 os.fdatasync(state.data_fd)
             written += done
-        # The index entries go after the data: a record is visible only once complete.
-        logged: dict[int, list[int]] = {}
+        return status, written, full
+
+    def _log_written(
+        self,
+        jobs: list[tuple[bytes, Record, int, bool]],
+        written: list[int],
+        checksums: list[int],
+        status: list[str],
+    ) -> None:
+        """I/O thread: log the records written, marking them "ok" in `status`.
+
+        The entries go after the data: a record is visible only once complete.
+        """
+        by_slab: dict[int, list[int]] = {}
         for n in written:
-            logged.setdefault(jobs[n][1][0], []).append(n)
-        for slab, ns in logged.items():
+            by_slab.setdefault(jobs[n][1][0], []).append(n)
+        for slab, ns in by_slab.items():
             entries = b"".join(
                 encode_entry(self._next_seq(), jobs[n][1][1], jobs[n][0], checksums[n]) for n in ns
             )
@@ -730,7 +752,6 @@ class FileSystemTier(SecondaryTierManager):
             except OSError as exc:
                 for n in ns:
                     status[n] = "nospace" if is_out_of_space(exc) else "error"
-        return status, checksums, full
 
     def _write_one_by_one(
         self,
