@@ -176,6 +176,11 @@ class Scheduler:
             self._lanes[(tier_name, direction)] = lane
         return lane
 
+    async def start(self) -> None:
+        """Start the worker threads now, so that the first operation does not wait for them."""
+        await self._workers.start()
+        await self._cpu_workers.start()
+
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
         return await self._workers.run(fn, *args)

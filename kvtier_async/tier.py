@@ -402,10 +402,16 @@ class SecondaryTierManager(AsyncResource):
         if self._opened:
             return
         if self._opening is None:
-            self._opening = asyncio.ensure_future(self.open_backend())
+            self._opening = asyncio.ensure_future(self._start_and_open())
             self._opening.add_done_callback(self._opening_done)
         await asyncio.shield(self._opening)
         self._opened = True
+
+    async def _start_and_open(self) -> None:
+        # The worker threads start with the backend, not inside the first load of a restarted
+        # process (starting them takes milliseconds: a noticeable part of a short load).
+        await self.scheduler.start()
+        await self.open_backend()
 
     def _opening_done(self, opening: asyncio.Future[None]) -> None:
         # Runs however the opening ended, even if every caller waiting for it was cancelled:

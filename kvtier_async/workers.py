@@ -88,10 +88,13 @@ class WorkerThreads:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
-        executor = self._executor or await self._start()
+        executor = self._executor or await self.start()
         return await wait_uncancellable(asyncio.wrap_future(executor.submit(fn, *args)))
 
-    async def _start(self) -> ThreadPoolExecutor:
+    async def start(self) -> ThreadPoolExecutor:
+        """Start the threads now, if not yet started (the first `run` otherwise does)."""
+        if self._executor is not None:
+            return self._executor
         if self._closed:
             raise ClosedError(f"worker threads {self.name!r} are closed")
         if self._starting is None:
