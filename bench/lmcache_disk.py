@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import mmap
 import os
 import random
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     block, count = args.block_mib << 20, args.blocks
     root = Path(tempfile.mkdtemp(prefix="lmcache-bench-", dir=args.dir))
@@ -108,6 +110,10 @@ def main() -> None:
             f"exact {exact}",
             flush=True,
         )
+        if args.json:
+            result = {"block_mib": args.block_mib, "blocks": count, "threads": args.threads, "exact": exact}
+            result.update(store_gbps=block * count / store_s / 1e9, load_gbps=block * count / load_s / 1e9)
+            args.json.write_text(json.dumps(result))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     os._exit(0)  # LMCache's executor threads do not stop on their own

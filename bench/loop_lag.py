@@ -79,7 +79,8 @@ async def main() -> None:
             f"{lag['stolen_ms']:.0f} ms stolen by the hypervisor in {lag['seconds']:.2f} s"
         )
     if args.json:
-        args.json.write_text(json.dumps(results))
+        timelines = {"store": busy.timeline(), "load": busy_load.timeline()}
+        args.json.write_text(json.dumps({**results, "timeline": timelines}))
 
 
 if __name__ == "__main__":

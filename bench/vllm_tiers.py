@@ -120,7 +120,7 @@ def main() -> None:
         "--threads", type=int, default=None, help="both tiers' I/O threads (default: each's own)"
     )
     parser.add_argument("--dir", type=Path, default=None, help="where the tiers write (default: a temp dir)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     chunk_bytes = args.chunk_kib * 1024
     chunks = max(1, args.mib * 1024 * 1024 // chunk_bytes)
@@ -139,18 +139,8 @@ def main() -> None:
     }
     ratios = {k: medians["kvtier"][k] / medians["vllm-fs"][k] for k in medians["kvtier"]}
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "chunks": chunks,
-                    "chunk_bytes": chunk_bytes,
-                    "medians": medians,
-                    "ratios": ratios,
-                    "rounds": results,
-                }
-            )
-        )
-        return
+        summary = {"chunks": chunks, "chunk_bytes": chunk_bytes, "medians": medians, "ratios": ratios}
+        args.json.write_text(json.dumps({**summary, "rounds": results}))
     threads = args.threads or "each tier's default"
     print(f"{chunks} chunks of {args.chunk_kib} KiB, {args.rounds} interleaved rounds, threads: {threads}")
     print(f"{'':24}{'kvtier fs':>12}{'vLLM fs':>12}{'ratio':>8}")

@@ -150,6 +150,7 @@ class LoopLag:
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.lags: list[float] = []
+        self.woke: list[float] = []  # when each wake-up came, seconds into the window
         self.full_gc_pauses: list[float] = []
         self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -169,7 +170,9 @@ class LoopLag:
         while True:
             started = time.perf_counter()
             await asyncio.sleep(self.period)
-            self.lags.append(max(0.0, time.perf_counter() - started - self.period))
+            now = time.perf_counter()
+            self.lags.append(max(0.0, now - started - self.period))
+            self.woke.append(now - self._window[0])
 
     def __enter__(self) -> LoopLag:
         gc.callbacks.append(self._on_gc)
@@ -183,6 +186,14 @@ class LoopLag:
         gc.callbacks.remove(self._on_gc)
         self.seconds = time.perf_counter() - self._window[0]
         self.stolen = _stolen_seconds() - self._window[1]
+
+    def timeline(self, bucket: float = 0.01) -> list[tuple[float, float]]:
+        """(start of the bucket in seconds, worst lag in it in ms) per `bucket` seconds with a tick."""
+        worst: dict[int, float] = {}
+        for at, lag in zip(self.woke, self.lags):
+            n = int(at / bucket)
+            worst[n] = max(worst.get(n, 0.0), lag)
+        return [(n * bucket, lag * 1e3) for n, lag in sorted(worst.items())]
 
     def summary(self) -> dict[str, float]:
         return {

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import servers
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -65,8 +66,11 @@ def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
     lag = tmp_path / "lag.json"
     bench("loop_lag.py", "--gib", "0.02", "--dir", tmp_path, "--json", lag)
     lags = json.loads(lag.read_text())
-    assert set(lags) == {"idle", "store", "load"}
+    assert set(lags) == {"idle", "store", "load", "timeline"}
     assert lags["store"]["stolen_ms"] >= 0 and lags["load"]["seconds"] > 0
+    store_timeline = lags["timeline"]["store"]
+    assert store_timeline and all(0 <= at <= lags["store"]["seconds"] for at, _ in store_timeline)
+    assert max(lag for _, lag in store_timeline) == pytest.approx(lags["store"]["max_ms"])
 
 
 def test_contention_bench_runs(tmp_path: Path) -> None:
@@ -104,9 +108,30 @@ def test_metrics_overhead_bench_runs(tmp_path: Path) -> None:
 
 
 def test_vllm_tiers_bench_runs(tmp_path: Path) -> None:
-    out = json.loads(
-        bench(
-            "vllm_tiers.py", "--mib", "2", "--chunk-kib", "256", "--rounds", "1", "--dir", tmp_path, "--json"
-        )
+    path = tmp_path / "v.json"
+    bench(
+        "vllm_tiers.py",
+        "--mib",
+        "2",
+        "--chunk-kib",
+        "256",
+        "--rounds",
+        "1",
+        "--dir",
+        tmp_path,
+        "--json",
+        path,
     )
+    out = json.loads(path.read_text())
     assert set(out["ratios"]) == {"store_gbps", "promote_same_gbps", "promote_new_engine_gbps"}
+
+
+def test_run_all_describes_the_machine() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(BENCH))
+    about = run_all.machine()
+    assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
+    assert set(run_all.RECORDERS) == {"fs_tier", "peers", "vllm_tiers", "loop_lag", "kvtier_bench"}
