@@ -217,10 +217,13 @@ async def test_a_load_waiting_for_a_stores_copy_wakes_when_it_is_published() -> 
         load = asyncio.ensure_future(cache.load([key], [1]))
         await asyncio.sleep(0)
         gate.set()  # the copy ends and the key is published; its write is still stalled
-        assert await guarded(store) == 1
-        assert await guarded(load) == 1
-        assert probe.held["write"] == 1 and exact(device, [key], [1])
-        probe.gates["write"].set()
+        try:
+            assert await guarded(store) == 1
+            assert await guarded(load) == 1  # while the write cannot finish
+            assert exact(device, [key], [1])
+            await guarded(probe.until(lambda: probe.held["write"] == 1))  # it is held, not lost
+        finally:
+            probe.gates["write"].set()  # a failure above must not leave aclose waiting on it
         await cache.flush()
         assert_quiet(cache)
 
