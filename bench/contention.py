@@ -13,7 +13,7 @@ One file-system tier, one run, the same traffic twice per round:
 - "gather": the same hook calls (`write_blocks` / `read_blocks`) awaited with
   a plain, unbounded `asyncio.gather`, the way code without a scheduler does it.
 Reported: each load's latency from its start to its end, p50 and p99, and how
-many store blocks were written or dropped. Nothing asserts: numbers go to the README.
+many store blocks were written or dropped. Nothing asserts: the numbers are for notes and docs.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ interleaved rounds (medians shown):
   the same concurrency, fsync-free: what many asyncio users would write.
 Primary memory is "anon" (our PrimaryTier: anonymous, huge pages, populated) or "shm" (a
 /dev/shm file mapping in 4 KiB pages, as vLLM hands its tiers). Blocks hold random bytes.
-Ratios are tier / raw throughput. Nothing here asserts: numbers go to the README.
+Ratios are tier / raw throughput. Nothing here asserts: `bench/run_all.py` saves the numbers
+for docs/performance.md.
 """
 
 from __future__ import annotations

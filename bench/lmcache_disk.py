@@ -6,7 +6,7 @@ LMCache pins its own dependencies, so it runs from its own environment:
     /tmp/lmvenv/bin/python bench/lmcache_disk.py --block-mib 32 --blocks 32 --threads 4
 
 Alternate it with `python bench/fs_tier.py --gib 1 --threads 4 --block-kib 32768 --memory anon
---repeat 1` (same bytes, threads and disk) and compare medians: the README has the loop.
+--repeat 1` (same bytes, threads and disk) and compare medians: `bench/run_all.py` does (its "peers" record).
 
 Its best configuration here: O_DIRECT on (`use_odirect`, which needs page-aligned buffers, so
 its allocator gets page-aligned huge-page memory, every page touched first as in a running

@@ -28,7 +28,7 @@ LIMIT_FIELDS = (
     "max_inflight_bytes",
 )
 
-# Soft targets the defaults are derived from (documented in the README).
+# Soft targets the defaults are derived from (documented in docs/scheduling.md).
 _BATCH_TARGET_BYTES = 16 << 20  # bytes handed to one write_blocks/read_blocks call
 _CHUNK_TARGET_BYTES = 64 << 20  # bytes one pipeline step of the cache moves
 

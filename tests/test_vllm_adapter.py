@@ -305,20 +305,23 @@ def test_the_adapter_is_a_vllm_tier_and_needs_a_nested_tier(tmp_path: Path) -> N
         make_manager([{**ADAPTER, "tier": {"type": "memory"}, "locality": "MARS"}])
 
 
-def readme_transfer_configs() -> dict[str, dict[str, Any]]:
-    """The `--kv-transfer-config` JSON of each `vllm serve` command in the README, by tier type."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def documented_transfer_configs(page: str) -> dict[str, dict[str, Any]]:
+    """The `--kv-transfer-config` JSON of each `vllm serve` command on a page, by tier type."""
+    text = (Path(__file__).resolve().parent.parent / page).read_text()
     configs = [json.loads(found) for found in re.findall(r"--kv-transfer-config '(\{.*\})'", text)]
     return {c["kv_connector_extra_config"]["secondary_tiers"][0]["tier"]["type"]: c for c in configs}
 
 
-@pytest.mark.parametrize("kind", ["fs", "s3", "redis"])
-def test_the_readme_configs_run_through_vllm(
-    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+@pytest.mark.parametrize(
+    ("page", "kind"),
+    [("docs/vllm.md", "fs"), ("docs/vllm.md", "s3"), ("docs/vllm.md", "redis"), ("README.md", "fs")],
+)
+def test_the_documented_configs_run_through_vllm(
+    page: str, kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     from vllm.config import KVTransferConfig
 
-    config = KVTransferConfig(**readme_transfer_configs()[kind])  # vLLM's own validation
+    config = KVTransferConfig(**documented_transfer_configs(page)[kind])  # vLLM's own validation
     assert config.kv_connector == "OffloadingConnector"
     extra = config.kv_connector_extra_config
     (entry,) = extra["secondary_tiers"]
@@ -334,7 +337,7 @@ def test_the_readme_configs_run_through_vllm(
     if kind != "fs":
         tier["prefix"] += uuid.uuid4().hex  # every test its own names on the shared server
     assert extra["spec_name"] == "TieringOffloadingSpec"
-    engine = Engine(make_manager([{**entry, "tier": tier}], chunks=16))  # 16 rows, not the README's 64 GiB
+    engine = Engine(make_manager([{**entry, "tier": tier}], chunks=16))  # 16 rows, not the documented 64 GiB
     keys = chunk_keys(9, 4)
     payloads = random_rows(keys, engine.row_bytes, seed=9)
     engine.offload(payloads)
