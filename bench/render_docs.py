@@ -370,7 +370,8 @@ def headline() -> str:
     text = (
         "**Performance** ([details](docs/performance.md)): with 2 MiB blocks, 4 I/O threads and checksums "
         f"on, the fs tier stores at {fs['store_ratio']:.2f}x and loads cold at {fs['load_ratio']:.2f}x "
-        "the speed of raw O_DIRECT calls on the same disk"
+        f"({fs['fresh_load_ratio']:.2f}x in a restarted process) the speed of raw O_DIRECT calls on the "
+        "same disk"
     )
     if (RECORDS / "peers.json").exists():
         peers = peer_medians()[2]
@@ -379,8 +380,9 @@ def headline() -> str:
         text += f", {store:.2f}x / {load_:.2f}x LMCache 0.5.6's disk backend"
     text += (
         f", and inside vLLM stores at {vllm['store_gbps']:.2f}x and promotes at "
-        f"{vllm['promote_same_gbps']:.2f}x the speed of vLLM 0.33's own fs tier "
-        "(medians of interleaved rounds on a 2-core VM)."
+        f"{vllm['promote_same_gbps']:.2f}x (same engine) and {vllm['promote_new_engine_gbps']:.2f}x "
+        "(a new engine) the speed of vLLM 0.33's own fs tier (medians of interleaved rounds on a "
+        "2-core VM)."
     )
     return text
 
