@@ -106,10 +106,10 @@ def fs_section(out: Path) -> list[str]:
     return lines
 
 
-def peer_medians() -> dict[int, dict[str, dict[str, float]]]:
+def peer_medians() -> dict[int, dict[str, Any]]:
     """Per block size in MiB: the median of each side's rounds."""
     rounds = load("peers")["results"]
-    out: dict[int, dict[str, dict[str, float]]] = {}
+    out: dict[int, dict[str, Any]] = {}
     for mib in sorted({r["block_mib"] for r in rounds}):
         mine = [r for r in rounds if r["block_mib"] == mib]
         out[mib] = {
@@ -120,7 +120,7 @@ def peer_medians() -> dict[int, dict[str, dict[str, float]]]:
                 k: statistics.median(r["kvtier"]["tier"][k] for r in mine)
                 for k in ("store_gbps", "load_gbps", "fresh_load_gbps")
             },
-            "rounds": {"n": float(len(mine))},
+            "rounds": len(mine),
         }
     return out
 
@@ -207,7 +207,7 @@ def peers_section() -> list[str]:
             f"{kv['load_gbps']:.2f} ({kv['fresh_load_gbps']:.2f}) | "
             f"{kv['store_gbps'] / lm['store_gbps']:.2f}x | "
             f"{kv['load_gbps'] / lm['load_gbps']:.2f}x ({kv['fresh_load_gbps'] / lm['load_gbps']:.2f}x) | "
-            f"{int(m['rounds']['n'])} |"
+            f"{m['rounds']} |"
         )
     return [*lines, ""]
 

@@ -71,6 +71,8 @@ def run_json(command: list[str], python: str = sys.executable) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         argv = [python if part == PY else part for part in command] + ["--json", str(out)]
+        if argv[0] == "kvtier":  # the console script of the environment running this
+            argv[0] = str(Path(sys.executable).with_name("kvtier"))
         print("+", shlex.join(command), flush=True)
         subprocess.run(argv, cwd=REPO, check=True)
         return json.loads(out.read_text())
@@ -123,12 +125,7 @@ def loop_lag(args: argparse.Namespace) -> tuple[str, Any]:
 def kvtier_bench(args: argparse.Namespace) -> tuple[str, Any]:
     tiers = json.dumps([{"type": "fs"}, {"type": "memory"}])
     command = ["kvtier", "bench", "--tiers", tiers, "--repeat", "3", "--no-progress"]
-    kvtier = str(Path(sys.executable).with_name("kvtier"))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.json"
-        print("+", shlex.join(command), flush=True)
-        subprocess.run([kvtier, *command[1:], "--json", str(out)], cwd=REPO, check=True)
-        return shlex.join(command), json.loads(out.read_text())
+    return shlex.join(command), run_json(command)
 
 
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {

@@ -42,10 +42,13 @@ def examples() -> list[tuple[str, Path, str]]:
 def test_every_page_is_searched() -> None:
     # The examples below come from these pages; a page moved out of reach would be skipped silently.
     assert (REPO / "docs" / "getting-started.md") in PAGES
-    assert len(examples()) >= 8
+    assert len(EXAMPLES) >= 8
 
 
-@pytest.mark.parametrize(("where", "page", "code"), examples(), ids=[where for where, _, _ in examples()])
+EXAMPLES = examples()
+
+
+@pytest.mark.parametrize(("where", "page", "code"), EXAMPLES, ids=[where for where, _, _ in EXAMPLES])
 def test_example_runs(where: str, page: Path, code: str, tmp_path: Path) -> None:
     files, _ = blocks(page)
     for name, text in files.items():
