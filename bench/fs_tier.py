@@ -1,7 +1,7 @@
 """Benchmark: FileSystemTier store / cold load against raw O_DIRECT I/O of the same bytes.
 
     python bench/fs_tier.py                      # 1 GiB, 2 MiB / 32 MiB / 64 KiB blocks, 4 threads
-    python bench/fs_tier.py --gib 0.25 --threads 4 8 --memory anon shm --aiofiles
+    python bench/fs_tier.py --gib 0.25 --threads 4 8 --memory anon scattered --aiofiles
 
 For each block size, thread count and kind of primary memory, in one run and on one disk, in
 interleaved rounds (medians shown):
@@ -16,8 +16,11 @@ interleaved rounds (medians shown):
   order (the device's IOPS limit);
 - aiofiles (with --aiofiles): one buffered file per block through aiofiles,
   the same concurrency, fsync-free: what many asyncio users would write.
-Primary memory is "anon" (our PrimaryTier: anonymous, huge pages, populated) or "shm" (a
-/dev/shm file mapping in 4 KiB pages, as vLLM hands its tiers). Blocks hold random bytes.
+Primary memory is "anon" (our PrimaryTier: anonymous, huge pages, populated), "shm" (a
+/dev/shm file mapping in 4 KiB pages, as vLLM hands its tiers, faulted in in order, so its
+pages mostly lie in order in RAM too) or "scattered" (the same, its pages faulted in turn with
+another mapping's: no two neighbours in RAM, as on a host that has been up a while). Blocks
+hold random bytes.
 Ratios are tier / raw throughput. Nothing here asserts: `bench/run_all.py` saves the numbers
 for docs/performance.md.
 """
@@ -44,6 +47,8 @@ from common import GB, drop_cache, median_tree, run
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
 
+KINDS = ["anon", "shm", "scattered"]  # of primary memory
+
 
 def rates(nbytes: int, store_s: float, load_s: float) -> dict[str, float]:
     return {
@@ -54,6 +59,16 @@ def rates(nbytes: int, store_s: float, load_s: float) -> dict[str, float]:
     }
 
 
+def shm_mapping(nbytes: int) -> mmap.mmap:
+    path = f"/dev/shm/kvtier-bench-{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.unlink(path)
+    os.ftruncate(fd, nbytes)
+    mapping = mmap.mmap(fd, nbytes)
+    os.close(fd)
+    return mapping
+
+
 @contextmanager
 def primary_memory(kind: str, spec: kt.OffloadingSpec) -> Iterator[memoryview]:
     """The primary region, filled with random bytes (so its pages exist, as in a running server)."""
@@ -61,12 +76,14 @@ def primary_memory(kind: str, spec: kt.OffloadingSpec) -> Iterator[memoryview]:
         primary = kt.PrimaryTier(spec, pin_memory=False)
         buffer, view = primary.buffer, primary.view
     else:
-        path = f"/dev/shm/kvtier-bench-{os.getpid()}"
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        os.unlink(path)
-        os.ftruncate(fd, spec.primary_nbytes)
-        mapping = mmap.mmap(fd, spec.primary_nbytes)
-        os.close(fd)
+        mapping = shm_mapping(spec.primary_nbytes)
+        if kind == "scattered":
+            # Fault its pages in turn with another mapping's, as a busy host's allocator hands
+            # them out: no two neighbours are neighbours in RAM.
+            other = shm_mapping(spec.primary_nbytes)
+            for offset in range(0, spec.primary_nbytes, mmap.PAGESIZE):
+                mapping[offset] = other[offset] = 1
+            other.close()
         buffer, view = torch.frombuffer(mapping, dtype=torch.uint8), memoryview(mapping)
     flat = buffer.view(-1)
     for start in range(0, flat.numel(), 1 << 28):
@@ -185,7 +202,7 @@ async def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="bytes moved per case, in GiB")
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768, 64])
     parser.add_argument("--threads", type=int, nargs="+", default=[4])
-    parser.add_argument("--memory", nargs="+", default=["anon", "shm"], choices=["anon", "shm"])
+    parser.add_argument("--memory", nargs="+", default=KINDS, choices=KINDS)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--aiofiles", action="store_true", help="also measure aiofiles")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds per case; medians shown")

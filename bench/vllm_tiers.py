@@ -14,7 +14,11 @@ Rows hold random bytes. For each tier, each round, on the same disk:
   dropped, then the same (here a chunk is RETRY first while the tier is asked about it).
 Defaults are each tier's own (what a user who sets only the directory gets), unless
 `--threads` sets both: our `io_threads` and lanes, vLLM's read and write threads.
-Ratios are ours / vLLM's throughput, medians of the rounds. Nothing here asserts.
+Ratios are ours / vLLM's throughput, medians of the rounds. Each round also records how
+scattered in RAM the pages of each engine's primary region lay (the fraction of neighbouring
+pages that are not neighbours in RAM; None where the kernel hides frame numbers): O_DIRECT
+I/O straight into scattered pages runs at about half the disk's speed on a VM, and vLLM's
+fs tier does that, while ours stages it (`kvtier_async.tiers.fs_staging`). Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import GB, drop_cache
 from vllm.v1.kv_offload.base import LookupResult
 from vllm_engine import ADAPTER, Engine, chunk_keys, make_manager, random_rows
+
+from kvtier_async.tiers.fs_staging import scattered_fraction
 
 
 def tier_configs(name: str, root: Path, threads: int | None) -> list[dict[str, Any]]:
@@ -64,13 +70,20 @@ def promote(engine: Engine, keys: list[Any]) -> float:
     return elapsed
 
 
+def scattered(engine: Engine) -> float | None:
+    """How scattered in RAM the pages of the engine's primary region lie (None: not visible)."""
+    with engine._rows() as flat:
+        return scattered_fraction(flat)
+
+
 def one_round(
     name: str, work: Path, chunk_bytes: int, chunks: int, threads: int | None, seed: int
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     root = work / name
     shutil.rmtree(root, ignore_errors=True)
     configs = tier_configs(name, root, threads)
     engine = Engine(make_manager(configs, chunk_bytes=chunk_bytes, chunks=chunks))
+    scattered_same = scattered(engine)
     keys = chunk_keys(seed, chunks)
     payloads = random_rows(keys, engine.row_bytes, seed=seed)
     nbytes = chunks * engine.row_bytes
@@ -95,6 +108,7 @@ def one_round(
         raise RuntimeError("vLLM kept its primary region mapped")
 
     engine = Engine(make_manager(configs, chunk_bytes=chunk_bytes, chunks=chunks))
+    scattered_new = scattered(engine)
     drop_cache(root)
     fresh_s = promote(engine, keys)
     ctx = engine.new_request()
@@ -106,6 +120,8 @@ def one_round(
         "store_gbps": nbytes / store_s / GB,
         "promote_same_gbps": nbytes / same_s / GB,
         "promote_new_engine_gbps": nbytes / fresh_s / GB,
+        "scattered_same": scattered_same,
+        "scattered_new_engine": scattered_new,
     }
 
 
@@ -125,7 +141,7 @@ def main() -> None:
     chunk_bytes = args.chunk_kib * 1024
     chunks = max(1, args.mib * 1024 * 1024 // chunk_bytes)
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-", dir=args.dir))
-    results: dict[str, list[dict[str, float]]] = {"kvtier": [], "vllm-fs": []}
+    results: dict[str, list[dict[str, float | None]]] = {"kvtier": [], "vllm-fs": []}
     try:
         for r in range(args.rounds):
             order = ["kvtier", "vllm-fs"] if r % 2 == 0 else ["vllm-fs", "kvtier"]
@@ -134,7 +150,9 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     medians = {
-        name: {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        name: {
+            k: statistics.median(float(run[k] or 0) for run in runs) for k in runs[0] if k.endswith("_gbps")
+        }
         for name, runs in results.items()
     }
     ratios = {k: medians["kvtier"][k] / medians["vllm-fs"][k] for k in medians["kvtier"]}

@@ -42,7 +42,7 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
     )
     rows = json.loads(out.read_text())
     assert {(row["block_kib"], row["memory"]) for row in rows} == {
-        (kib, memory) for kib in (2048, 32768, 64) for memory in ("anon", "shm")
+        (kib, memory) for kib in (2048, 32768, 64) for memory in ("anon", "shm", "scattered")
     }
     assert all(row["tier"]["fresh_load_gbps"] > 0 and row["raw"]["load_gbps"] > 0 for row in rows)
 

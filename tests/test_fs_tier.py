@@ -36,6 +36,12 @@ class TestFileSystemTierDirect(FsContract):
         return {"type": "fs", "root": str(tmp_path / "cache"), "direct_io": True}
 
 
+class TestFileSystemTierStaged(FsContract):
+    @pytest.fixture
+    def tier_config(self, tmp_path: Path) -> dict[str, Any]:
+        return {"type": "fs", "root": str(tmp_path / "cache"), "direct_io": True, "staging": True}
+
+
 class TestFileSystemTierBuffered(FsContract):
     @pytest.fixture
     def tier_config(self, tmp_path: Path) -> dict[str, Any]:
@@ -149,17 +155,19 @@ async def test_sigkill_at_a_random_moment_loses_nothing_acknowledged(tmp_path: P
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("damage", ["flip-payload", "flip-header", "zero", "truncate", "delete"])
-async def test_damaged_blocks_are_counted_misses(tmp_path: Path, damage: str) -> None:
-    tier, primary = h.make_tier(str(tmp_path))
+@pytest.mark.parametrize("staging", [False, True])
+async def test_damaged_blocks_are_counted_misses(tmp_path: Path, damage: str, staging: bool) -> None:
+    tier, primary = h.make_tier(str(tmp_path), staging=staging)
     keys = [h.key_for(i) for i in range(8)]
     async with tier:
         assert await h.store_keys(tier, primary, keys) == [True] * 8
     victim = 5  # record 5 holds key 5: a fresh slab fills from record 0 in order
     await asyncio.to_thread(damage_slab, tmp_path, damage, victim)
-    tier, primary = h.make_tier(str(tmp_path))
+    tier, primary = h.make_tier(str(tmp_path), staging=staging)
     async with tier:
         results = await h.load_and_check(tier, primary, keys)
         assert None not in results
+        assert tier.stats()["staging"] is staging
         if damage == "delete":
             assert results == [False] * 8
         elif damage == "truncate":
@@ -168,7 +176,7 @@ async def test_damaged_blocks_are_counted_misses(tmp_path: Path, damage: str) ->
             assert results == [True] * 5 + [False] + [True] * 2
             assert tier.stats()["corrupt_blocks"] == 1
             assert await tier.contains([keys[victim]]) == [False]  # dropped
-    tier, primary = h.make_tier(str(tmp_path))
+    tier, primary = h.make_tier(str(tmp_path), staging=staging)
     async with tier:  # and still gone after another restart
         assert (await tier.contains([keys[victim]])) == [False]
 
@@ -270,6 +278,7 @@ def test_bad_config(tmp_path: Path) -> None:
         ({"direct_io": "yes"}, "direct_io"),
         ({"capacity_bytes": 10}, "capacity_bytes"),
         ({"fsync": 1}, "fsync"),
+        ({"staging": "yes"}, "staging"),
         ({"root": ""}, "root"),
         ({"refresh_interval_s": -1}, "refresh_interval_s"),
     ):

@@ -51,6 +51,7 @@ from .fs_layout import (
     slab_path,
     try_flock,
 )
+from .fs_staging import Stager, pages_scattered
 
 __all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_REFRESH_INTERVAL_S", "FileSystemTier"]
 
@@ -151,6 +152,10 @@ class FileSystemTier(SecondaryTierManager):
             where the file system refuses it; True requires it; False never uses it.
         fsync: False (it is a cache); True makes `store` return only once the
             data and the index entry are durable.
+        staging: with O_DIRECT, whether reads and writes go through a per-thread huge-page
+            buffer instead of straight between the primary memory and the disk. "auto"
+            stages when the primary memory's pages are found scattered in physical memory
+            (see `fs_staging`), where direct I/O runs far below the disk's speed.
         refresh_interval_s: a lookup that misses reads the other processes' new index
             entries if the last such read is older than this; `refresh()` reads them now.
     """
@@ -165,6 +170,7 @@ class FileSystemTier(SecondaryTierManager):
         capacity_bytes: int | None = None,
         direct_io: bool | str = "auto",
         fsync: bool = False,
+        staging: bool | str = "auto",
         refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
@@ -184,6 +190,8 @@ class FileSystemTier(SecondaryTierManager):
             raise ConfigError(f'fs tier: direct_io must be "auto", True or False, got {direct_io!r}')
         if not isinstance(fsync, bool):
             raise ConfigError(f"fs tier: fsync must be a bool, got {fsync!r}")
+        if staging not in ("auto", True, False):
+            raise ConfigError(f'fs tier: staging must be "auto", True or False, got {staging!r}')
         if (
             isinstance(refresh_interval_s, bool)
             or not isinstance(refresh_interval_s, (int, float))
@@ -199,6 +207,9 @@ class FileSystemTier(SecondaryTierManager):
         self.direct_io_requested = direct_io
         self.direct_io = False
         self.fsync = fsync
+        self.staging_requested = staging
+        self.staging = False  # resolved on open
+        self._stager = Stager()
         self.refresh_interval_s = float(refresh_interval_s)
         self._primary_base = _address(self.primary_kv_view)
         # The index; touched on the event-loop thread only.
@@ -239,6 +250,10 @@ class FileSystemTier(SecondaryTierManager):
             self.direct_io = True
         if self._primary_base % 4096:
             self.direct_io = False  # O_DIRECT needs aligned memory; a foreign view may not be
+        if self.staging_requested == "auto":
+            self.staging = self.direct_io and pages_scattered(self.primary_kv_view) is True
+        else:
+            self.staging = self.direct_io and bool(self.staging_requested)
         if self.requested_capacity is None:
             existing = 0
             for n in slab_numbers(self.directory, self.block_nbytes):
@@ -716,7 +731,7 @@ class FileSystemTier(SecondaryTierManager):
             state = self._own[slab]
             try:
                 iov = self._iov([jobs[n][2] for n in ns])
-                self._pwritev_all(state.data_fd, iov, first * self.record_bytes)
+                self._write_all(state.data_fd, iov, first * self.record_bytes)
                 done = ns
             except OSError as exc:
                 done = self._write_one_by_one(state, ns, jobs, status, exc)
@@ -766,7 +781,7 @@ class FileSystemTier(SecondaryTierManager):
         for k, n in enumerate(ns):
             _, (_, record), offset, _ = jobs[n]
             try:
-                self._pwritev_all(state.data_fd, self._iov([offset]), record * self.record_bytes)
+                self._write_all(state.data_fd, self._iov([offset]), record * self.record_bytes)
                 done.append(n)
             except OSError as exc:
                 code = "nospace" if is_out_of_space(exc) else "error"
@@ -842,10 +857,9 @@ class FileSystemTier(SecondaryTierManager):
                 runs.append([n])
         return runs
 
-    @staticmethod
-    def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    def _write_all(self, fd: int, iov: list[memoryview], offset: int) -> None:
         total = sum(len(v) for v in iov)
-        done = os.pwritev(fd, iov, offset)
+        done = self._stager.pwritev(fd, iov, offset) if self.staging else os.pwritev(fd, iov, offset)
         if done != total:  # a full disk, part way: the caller retries record by record
             raise OSError(errno.ENOSPC, f"short write: {done} of {total} bytes")
 
@@ -920,7 +934,8 @@ class FileSystemTier(SecondaryTierManager):
         for run in self._runs([where for _, where, _, _ in jobs]):
             fd, (_, first), _, _ = jobs[run[0]]
             try:
-                done = os.preadv(fd, self._iov([jobs[n][3] for n in run]), first * self.record_bytes)
+                iov, offset = self._iov([jobs[n][3] for n in run]), first * self.record_bytes
+                done = self._stager.preadv(fd, iov, offset) if self.staging else os.preadv(fd, iov, offset)
             except OSError as exc:
                 log.warning("fs tier %r: reading %d records failed: %s", self.name, len(run), exc)
                 continue
@@ -1013,6 +1028,7 @@ class FileSystemTier(SecondaryTierManager):
             "used_bytes": sum(s.end + s.log_entries * ENTRY for s in own),
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
+            "staging": self.staging,
             "fsync": self.fsync,
             "slabs": len(own),
             "shared_slabs": len(self._others),

@@ -1,0 +1,149 @@
+"""Staged O_DIRECT I/O (`kvtier_async.tiers.fs_staging`): when it is chosen, and that the bytes
+come back exact through it."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import kvtier_async as kt
+from kvtier_async.primary import reserve_host_memory
+from kvtier_async.tiers.fs import FileSystemTier
+from kvtier_async.tiers.fs_staging import STAGE_BYTES, pages_scattered
+
+PAGES = 2048  # 8 MiB regions
+
+
+def frames_visible() -> bool:
+    """Whether /proc/self/pagemap shows this process its page frame numbers (CAP_SYS_ADMIN)."""
+    probe = ctypes.create_string_buffer(2 * mmap.PAGESIZE)  # some page of it is in memory
+    page = ctypes.addressof(probe) // mmap.PAGESIZE
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(page * 8)
+            (entry,) = struct.unpack("Q", pagemap.read(8))
+    except OSError:
+        return False
+    return bool(entry & ((1 << 55) - 1))
+
+
+needs_frames = pytest.mark.skipif(not frames_visible(), reason="page frame numbers are hidden here")
+
+
+@contextmanager
+def scattered_memory(nbytes: int) -> Iterator[mmap.mmap]:
+    """Memory in 4 KiB pages of which no two neighbours are neighbours in RAM: two regions
+    faulted in turn, page by page, as a busy host's allocator hands them out."""
+    first, second = (mmap.mmap(-1, nbytes) for _ in range(2))
+    for mapping in (first, second):
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        first[offset] = second[offset] = 1
+    try:
+        yield first
+    finally:
+        second.close()
+        first.close()
+
+
+def huge_pages_enabled() -> bool:
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+HUGE_PAGES = huge_pages_enabled()
+
+
+@needs_frames
+def test_scattered_pages_are_recognised() -> None:
+    with scattered_memory(PAGES * mmap.PAGESIZE) as mapping, memoryview(mapping) as view:
+        assert pages_scattered(view) is True
+
+
+@needs_frames
+@pytest.mark.skipif(not HUGE_PAGES, reason="no transparent huge pages here")
+def test_huge_pages_are_not_scattered() -> None:
+    mapping = reserve_host_memory(PAGES * mmap.PAGESIZE)
+    mapping.write(bytes(PAGES * mmap.PAGESIZE))
+    with memoryview(mapping) as view:
+        assert pages_scattered(view) is False
+    mapping.close()
+
+
+def test_pages_not_yet_in_memory_tell_nothing() -> None:
+    mapping = mmap.mmap(-1, PAGES * mmap.PAGESIZE)
+    with memoryview(mapping) as view:
+        assert pages_scattered(view) is None
+    mapping.close()
+
+
+def random_fill(view: memoryview) -> None:
+    for start in range(0, len(view), 1 << 20):
+        piece = view[start : start + (1 << 20)]
+        piece[:] = os.urandom(len(piece))
+
+
+@pytest.mark.asyncio
+async def test_staged_blocks_round_trip_across_stage_boundaries(tmp_path: Path) -> None:
+    # Blocks of 3 MiB and a bit, stored in one run: the 8 MiB stage boundaries fall inside records.
+    block = 3 * (1 << 20) + 500
+    count = 8
+    assert count * block > 2 * STAGE_BYTES
+    spec = kt.OffloadingSpec(block_nbytes=block, num_cpu_blocks=2 * count, namespace="staged")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    for slot in range(count):
+        random_fill(primary.slot_view(slot))
+    stored = [bytes(primary.slot_view(slot)) for slot in range(count)]
+    keys = kt.block_hashes(range(16 * count), 16, namespace="staged")
+    tier = FileSystemTier(spec, primary.view, root=tmp_path, direct_io=True, staging=True)
+    async with tier:
+        await tier.open()
+        assert tier.stats()["staging"] is True
+        assert await tier.store(keys, list(range(count))) == [True] * count
+        assert await tier.load(keys[::-1], list(range(count, 2 * count))) == [True] * count
+        assert [bytes(primary.slot_view(count + n)) for n in range(count)] == stored[::-1]
+    for slot in range(count, 2 * count):
+        primary.slot_view(slot)[:] = bytes(block)
+    tier = FileSystemTier(spec, primary.view, root=tmp_path, direct_io=True, staging=True)
+    async with tier:  # a restarted process reads them back through its own stage buffers
+        assert await tier.load(keys, list(range(count, 2 * count))) == [True] * count
+        assert [bytes(primary.slot_view(count + n)) for n in range(count)] == stored
+
+
+@pytest.mark.asyncio
+async def test_staging_needs_o_direct(tmp_path: Path) -> None:
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=4, namespace="staged")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    async with FileSystemTier(spec, primary.view, root=tmp_path, direct_io=False, staging=True) as tier:
+        await tier.open()
+        assert tier.stats()["staging"] is False  # buffered I/O copies through the page cache anyway
+
+
+@needs_frames
+@pytest.mark.asyncio
+async def test_auto_stages_for_scattered_primary_memory_only(tmp_path: Path) -> None:
+    spec = kt.OffloadingSpec(block_nbytes=1 << 20, num_cpu_blocks=8, namespace="staged")
+    with scattered_memory(spec.primary_nbytes) as mapping, memoryview(mapping) as view:
+        random_fill(view[: spec.block_stride])
+        payload = bytes(view[: spec.block_nbytes])
+        async with FileSystemTier(spec, view, root=tmp_path, direct_io=True) as tier:
+            await tier.open()
+            assert tier.stats()["staging"] is True
+            [key] = kt.block_hashes(range(16), 16, namespace="staged")
+            assert await tier.store([key], [0]) == [True]
+            assert await tier.load([key], [1]) == [True]
+            assert bytes(view[spec.block_stride : spec.block_stride + spec.block_nbytes]) == payload
+    if HUGE_PAGES:
+        primary = kt.PrimaryTier(spec, pin_memory=False)
+        async with FileSystemTier(spec, primary.view, root=tmp_path, direct_io=True) as tier:
+            await tier.open()
+            assert tier.stats()["staging"] is False
