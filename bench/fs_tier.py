@@ -59,6 +59,11 @@ def rates(nbytes: int, store_s: float, load_s: float) -> dict[str, float]:
     }
 
 
+def memory_spec(block_nbytes: int, count: int) -> kt.OffloadingSpec:
+    """The primary region's shape: `count` slots to store from, `count` to load into."""
+    return kt.OffloadingSpec(block_nbytes=block_nbytes, num_cpu_blocks=2 * count)
+
+
 def shm_mapping(nbytes: int) -> mmap.mmap:
     path = f"/dev/shm/kvtier-bench-{os.getpid()}"
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
@@ -93,40 +98,40 @@ def primary_memory(kind: str, spec: kt.OffloadingSpec) -> Iterator[memoryview]:
     del buffer, flat
 
 
-async def run_tier(work: Path, block_nbytes: int, count: int, threads: int, memory: str) -> dict[str, float]:
+async def run_tier(
+    work: Path, block_nbytes: int, count: int, threads: int, view: memoryview
+) -> dict[str, float]:
     spec = kt.OffloadingSpec(
         block_nbytes=block_nbytes, num_cpu_blocks=2 * count, namespace="bench", io_threads=threads
     )
     keys = kt.block_hashes(range(count * 16), 16, namespace=f"bench-{block_nbytes}-{threads}")
     order = list(range(count))
     random.Random(0).shuffle(order)
-    with primary_memory(memory, spec) as view:
-        tier = FileSystemTier(spec, view, root=str(work))
-        await tier.open()  # outside the timed part
+    tier = FileSystemTier(spec, view, root=str(work))
+    await tier.open()  # outside the timed part
+    started = time.perf_counter()
+    stored = await tier.store(keys, list(range(count)))
+    store_s = time.perf_counter() - started
+    assert all(stored), "store failed"
+    loads = []
+    for fresh in (False, True):
+        if fresh:
+            await tier.aclose()
+            tier = FileSystemTier(spec, view, root=str(work))
+            await tier.open()
+        await asyncio.to_thread(drop_cache, work)
         started = time.perf_counter()
-        stored = await tier.store(keys, list(range(count)))
-        store_s = time.perf_counter() - started
-        assert all(stored), "store failed"
-        loads = []
-        for fresh in (False, True):
-            if fresh:
-                await tier.aclose()
-                tier = FileSystemTier(spec, view, root=str(work))
-                await tier.open()
-            await asyncio.to_thread(drop_cache, work)
-            started = time.perf_counter()
-            loaded = await tier.load([keys[i] for i in order], [count + i for i in order])
-            loads.append(time.perf_counter() - started)
-            assert all(loaded), "load missed"
-        await tier.aclose()
+        loaded = await tier.load([keys[i] for i in order], [count + i for i in order])
+        loads.append(time.perf_counter() - started)
+        assert all(loaded), "load missed"
+    await tier.aclose()
     out = rates(count * block_nbytes, store_s, loads[0])
     out["fresh_load_gbps"] = count * block_nbytes / loads[1] / GB
     return out
 
 
-def run_raw(work: Path, block_nbytes: int, count: int, threads: int, memory: str) -> dict[str, float]:
-    spec = kt.OffloadingSpec(block_nbytes=block_nbytes, num_cpu_blocks=2 * count, namespace="raw")
-    stride = spec.block_stride
+def run_raw(work: Path, block_nbytes: int, count: int, threads: int, view: memoryview) -> dict[str, float]:
+    stride = memory_spec(block_nbytes, count).block_stride
     one_file_per_block = block_nbytes >= (1 << 20)
     work.mkdir(parents=True, exist_ok=True)
     big = work / "raw.bin"
@@ -137,36 +142,35 @@ def run_raw(work: Path, block_nbytes: int, count: int, threads: int, memory: str
     shared_fd = None if one_file_per_block else os.open(big, os.O_RDWR | os.O_DIRECT)
     order = list(range(count))
     random.Random(0).shuffle(order)
-    with primary_memory(memory, spec) as view:
 
-        def write(worker: int) -> None:
-            for i in range(worker, count, threads):
-                slot = view[i * stride : (i + 1) * stride]
-                if one_file_per_block:
-                    fd = os.open(work / f"b{i}", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-                    os.pwrite(fd, slot, 0)
-                    os.close(fd)
-                else:
-                    os.pwrite(shared_fd, slot, i * stride)
+    def write(worker: int) -> None:
+        for i in range(worker, count, threads):
+            slot = view[i * stride : (i + 1) * stride]
+            if one_file_per_block:
+                fd = os.open(work / f"b{i}", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+                os.pwrite(fd, slot, 0)
+                os.close(fd)
+            else:
+                os.pwrite(shared_fd, slot, i * stride)
 
-        def read(worker: int) -> None:
-            for i in order[worker::threads]:
-                slot = view[(count + i) * stride : (count + i + 1) * stride]
-                if one_file_per_block:
-                    fd = os.open(work / f"b{i}", os.O_RDONLY | os.O_DIRECT)
-                    os.preadv(fd, [slot], 0)
-                    os.close(fd)
-                else:
-                    os.preadv(shared_fd, [slot], i * stride)
+    def read(worker: int) -> None:
+        for i in order[worker::threads]:
+            slot = view[(count + i) * stride : (count + i + 1) * stride]
+            if one_file_per_block:
+                fd = os.open(work / f"b{i}", os.O_RDONLY | os.O_DIRECT)
+                os.preadv(fd, [slot], 0)
+                os.close(fd)
+            else:
+                os.preadv(shared_fd, [slot], i * stride)
 
-        with ThreadPoolExecutor(threads) as pool:
-            started = time.perf_counter()
-            list(pool.map(write, range(threads)))
-            store_s = time.perf_counter() - started
-            drop_cache(work)
-            started = time.perf_counter()
-            list(pool.map(read, range(threads)))
-            load_s = time.perf_counter() - started
+    with ThreadPoolExecutor(threads) as pool:
+        started = time.perf_counter()
+        list(pool.map(write, range(threads)))
+        store_s = time.perf_counter() - started
+        drop_cache(work)
+        started = time.perf_counter()
+        list(pool.map(read, range(threads)))
+        load_s = time.perf_counter() - started
     if shared_fd is not None:
         os.close(shared_fd)
     return rates(count * block_nbytes, store_s, load_s)
@@ -219,12 +223,14 @@ async def main() -> None:
                     case = base / f"{kib}k-{threads}-{memory}"
                     tiers, raws, aios = [], [], []
                     for attempt in range(args.repeat):  # interleaved, so drifts hit both alike
-                        tiers.append(await run_tier(case / f"tier{attempt}", block, count, threads, memory))
-                        raws.append(
-                            await asyncio.to_thread(
-                                run_raw, case / f"raw{attempt}", block, count, threads, memory
+                        # One region for both: where its pages lie in RAM changes their speed.
+                        with primary_memory(memory, memory_spec(block, count)) as view:
+                            tiers.append(await run_tier(case / f"tier{attempt}", block, count, threads, view))
+                            raws.append(
+                                await asyncio.to_thread(
+                                    run_raw, case / f"raw{attempt}", block, count, threads, view
+                                )
                             )
-                        )
                         if args.aiofiles:
                             aios.append(await run_aiofiles(case / f"aio{attempt}", block, count, threads))
                         await asyncio.to_thread(shutil.rmtree, case, True)
