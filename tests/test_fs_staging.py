@@ -3,10 +3,8 @@ come back exact through it."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,22 +14,19 @@ import pytest
 import kvtier_async as kt
 from kvtier_async.primary import reserve_host_memory
 from kvtier_async.tiers.fs import FileSystemTier
-from kvtier_async.tiers.fs_staging import STAGE_BYTES, pages_scattered
+from kvtier_async.tiers.fs_staging import STAGE_BYTES, pages_scattered, scattered_fraction
 
 PAGES = 2048  # 8 MiB regions
 
 
 def frames_visible() -> bool:
     """Whether /proc/self/pagemap shows this process its page frame numbers (CAP_SYS_ADMIN)."""
-    probe = ctypes.create_string_buffer(2 * mmap.PAGESIZE)  # some page of it is in memory
-    page = ctypes.addressof(probe) // mmap.PAGESIZE
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            pagemap.seek(page * 8)
-            (entry,) = struct.unpack("Q", pagemap.read(8))
-    except OSError:
-        return False
-    return bool(entry & ((1 << 55) - 1))
+    mapping = mmap.mmap(-1, PAGES * mmap.PAGESIZE)
+    mapping.write(bytes(PAGES * mmap.PAGESIZE))  # every page in memory: only hidden frames say None
+    with memoryview(mapping) as view:
+        visible = scattered_fraction(view) is not None
+    mapping.close()
+    return visible
 
 
 needs_frames = pytest.mark.skipif(not frames_visible(), reason="page frame numbers are hidden here")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import logging
 import mmap
@@ -51,7 +50,7 @@ from .fs_layout import (
     slab_path,
     try_flock,
 )
-from .fs_staging import Stager, pages_scattered
+from .fs_staging import Stager, address_of, pages_scattered
 
 __all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_REFRESH_INTERVAL_S", "FileSystemTier"]
 
@@ -113,10 +112,6 @@ class _Claim:
     state: _OwnSlab
     entries: list[Entry]
     disk_full: bool  # the disk had room for only part of it
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _probe_direct_io(directory: Path) -> bool:
@@ -211,7 +206,7 @@ class FileSystemTier(SecondaryTierManager):
         self.staging = False  # resolved on open
         self._stager = Stager()
         self.refresh_interval_s = float(refresh_interval_s)
-        self._primary_base = _address(self.primary_kv_view)
+        self._primary_base = address_of(self.primary_kv_view)
         # The index; touched on the event-loop thread only.
         self._where: dict[bytes, Record] = {}  # key -> the record we read it from
         self._entry: dict[Record, tuple[bytes, int]] = {}  # record -> (key, payload checksum)
@@ -618,7 +613,7 @@ class FileSystemTier(SecondaryTierManager):
             self._free.append(where)
 
     def _slot_offset(self, block: memoryview) -> int:
-        return _address(block) - self._primary_base
+        return address_of(block) - self._primary_base
 
     # -- hooks ---------------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:

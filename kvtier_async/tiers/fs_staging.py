@@ -27,7 +27,7 @@ import threading
 
 from ..primary import reserve_host_memory
 
-__all__ = ["STAGE_BYTES", "Stager", "pages_scattered", "scattered_fraction"]
+__all__ = ["STAGE_BYTES", "Stager", "address_of", "pages_scattered", "scattered_fraction"]
 
 #: Bytes one staged read or write moves (a multiple of the huge page size).
 STAGE_BYTES = 8 << 20
@@ -38,7 +38,8 @@ _PRESENT = 1 << 63
 _PFN_MASK = (1 << 55) - 1
 
 
-def _address(view: memoryview) -> int:
+def address_of(view: memoryview) -> int:
+    """Where a (writable) buffer's first byte lies in this process's memory."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
@@ -49,7 +50,7 @@ def scattered_fraction(view: memoryview) -> float | None:
     None when that cannot tell: not Linux, pages not yet faulted in, or no permission to see
     frame numbers (the kernel shows them to CAP_SYS_ADMIN only, as zeros to others).
     """
-    address, pages = _address(view), len(view) // _PAGE
+    address, pages = address_of(view), len(view) // _PAGE
     if address % _PAGE or pages < 2:
         return None
     window = min(_WINDOW_PAGES, pages)
@@ -100,13 +101,13 @@ class Stager:
             mapping = reserve_host_memory(STAGE_BYTES)
             mapping.write(bytes(STAGE_BYTES))  # fault every page in now, in order
             local.mapping, local.view = mapping, memoryview(mapping)
-            local.address = _address(local.view)
+            local.address = address_of(local.view)
         return local.view, local.address
 
     def pwritev(self, fd: int, iov: list[memoryview], offset: int) -> int:
         """Write the pieces of `iov` back to back at `offset`; the bytes written (short on a full disk)."""
         stage, stage_address = self._buffer()
-        spans = [(_address(piece), len(piece)) for piece in iov]
+        spans = [(address_of(piece), len(piece)) for piece in iov]
         total, done = sum(n for _, n in spans), 0
         while done < total:
             n = min(STAGE_BYTES, total - done)
@@ -120,7 +121,7 @@ class Stager:
     def preadv(self, fd: int, iov: list[memoryview], offset: int) -> int:
         """Read into the pieces of `iov`, back to back, from `offset`; the bytes read (short at the end)."""
         stage, stage_address = self._buffer()
-        spans = [(_address(piece), len(piece)) for piece in iov]
+        spans = [(address_of(piece), len(piece)) for piece in iov]
         total, done = sum(n for _, n in spans), 0
         while done < total:
             n = min(STAGE_BYTES, total - done)
