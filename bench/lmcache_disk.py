@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import mmap
 import os
@@ -61,6 +62,10 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    # The start-up heap frozen, as a serving process (vLLM's engine core) does and as our
+    # benchmarks run (bench/common.py: freeze_startup_heap).
+    gc.collect()
+    gc.freeze()
     block, count = args.block_mib << 20, args.blocks
     root = Path(tempfile.mkdtemp(prefix="lmcache-bench-", dir=args.dir))
     loop = asyncio.new_event_loop()

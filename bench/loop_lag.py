@@ -37,7 +37,7 @@ async def main() -> None:
     parser.add_argument("--block-kib", type=int, default=2048)
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--no-gc-freeze", action="store_true", help="skip gc.freeze() after start-up")
+    parser.add_argument("--no-gc-freeze", action="store_true", help="undo gc.freeze() after start-up")
     parser.add_argument("--io-threads", type=int, default=None, help="OffloadingSpec.io_threads")
     args = parser.parse_args()
     block = args.block_kib * 1024
@@ -52,9 +52,11 @@ async def main() -> None:
         io_threads=args.io_threads,
         secondary_tiers=[{"type": "fs", "root": str(root), "capacity_bytes": 4 * blocks * block}],
     )
-    if not args.no_gc_freeze:
+    if args.no_gc_freeze:
+        gc.unfreeze()  # run() froze the start-up heap
+    else:
         gc.collect()
-        gc.freeze()
+        gc.freeze()  # what was built since start-up too
     try:
         with LoopLag() as idle:
             await asyncio.sleep(1.0)

@@ -366,7 +366,10 @@ def render(out: Path) -> str:
         "`python bench/render_docs.py`. Each section says the command and the machine. These",
         "machines are shared and noisy: the disk's speed moves between runs, so the benchmarks run",
         "our code and its baseline in interleaved rounds of one run and report medians. Read the",
-        "ratios; absolute numbers are this machine's.",
+        "ratios; absolute numbers are this machine's. Each benchmark process freezes its start-up",
+        "heap (`gc.collect(); gc.freeze()`), as vLLM's engine core does and as",
+        "[running in production](production.md) advises: otherwise a full garbage collection",
+        "(60-100 ms here with torch imported) lands on whichever timed step happens to trigger it.",
         "",
     ]
     lines += fs_section(out)

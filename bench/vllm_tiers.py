@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from common import GB, drop_cache
+from common import GB, drop_cache, freeze_startup_heap
 from vllm.v1.kv_offload.base import LookupResult
 from vllm_engine import ADAPTER, Engine, chunk_keys, make_manager, random_rows
 
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the tiers write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    freeze_startup_heap()  # as vLLM's engine core does after start-up
     chunk_bytes = args.chunk_kib * 1024
     chunks = max(1, args.mib * 1024 * 1024 // chunk_bytes)
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-", dir=args.dir))
