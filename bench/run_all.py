@@ -143,7 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--only", nargs="+", choices=sorted(RECORDERS), default=None)
     parser.add_argument("--lmcache-python", default=None, help="a Python with LMCache 0.5.6 installed")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds against LMCache")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds against LMCache")
     parser.add_argument("--render-only", action="store_true")
     args = parser.parse_args()
     names = [] if args.render_only else (args.only or list(RECORDERS))
