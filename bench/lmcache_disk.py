@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     # The start-up heap frozen, as a serving process (vLLM's engine core) does and as our
-    # benchmarks run (bench/common.py: freeze_startup_heap).
+    # benchmarks run (kvtier_async.benchmark.freeze_startup_heap).
     gc.collect()
     gc.freeze()
     block, count = args.block_mib << 20, args.blocks

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import LoopLag, drop_cache, run
+from common import LoopLag, drop_cache, freeze_startup_heap, run
 
 import kvtier_async as kt
 
@@ -55,8 +55,7 @@ async def main() -> None:
     if args.no_gc_freeze:
         gc.unfreeze()  # run() froze the start-up heap
     else:
-        gc.collect()
-        gc.freeze()  # what was built since start-up too
+        freeze_startup_heap()  # what was built since start-up too
     try:
         with LoopLag() as idle:
             await asyncio.sleep(1.0)

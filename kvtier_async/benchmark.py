@@ -52,6 +52,7 @@ __all__ = [
     "LoopLag",
     "drop_page_cache",
     "format_table",
+    "freeze_startup_heap",
     "percentile",
     "run_bench",
     "save_plot",
@@ -123,6 +124,19 @@ async def _requests(
     started = time.perf_counter()
     await asyncio.gather(*(one(call) for call in calls))
     return time.perf_counter() - started, latencies
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up left alive out of the garbage collector's way, as a serving process
+    does (vLLM's engine core calls `gc.freeze()` after start-up; docs/production.md says why).
+
+    With torch imported a process holds ~170,000 objects; a full collection walks them all,
+    ~60-100 ms on a small VM with the GIL held, so whichever timed step allocates the object
+    that triggers it stalls that long, and a benchmark would measure the collector instead of
+    the I/O.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -465,8 +479,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Every case, as plain data: {"config", "idle_loop_lag", "cases", "pipelines"}."""
     if min(config.request_blocks, config.mib_per_case, config.repeat, *config.block_kib, 1) < 1:
         raise ConfigError("kvtier bench: sizes must be positive")
-    gc.collect()
-    gc.freeze()  # as a serving process should: full collections then skip the start-up heap
+    freeze_startup_heap()
     async with AsyncExitStack() as stack:
         work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="kvtier-bench-", dir=config.directory))
         stack.push_async_callback(asyncio.to_thread, shutil.rmtree, work, True)
