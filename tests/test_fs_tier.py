@@ -247,6 +247,25 @@ async def test_capacity_bounds_the_bytes_on_disk_and_evicts_oldest(tmp_path: Pat
 
 
 @pytest.mark.asyncio
+async def test_the_next_slab_is_claimed_before_the_stores_need_it(tmp_path: Path) -> None:
+    from kvtier_async.tiers.fs_layout import record_bytes_for
+
+    # 16 slabs of 8 records: past half a slab, the next one is claimed in the background, so a
+    # store never waits for a slab's fallocate behind the writes in flight.
+    capacity = 16 * 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * 162)
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    keys = [h.key_for(i) for i in range(5)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys[:4]) == [True] * 4
+        assert tier.stats()["slabs"] == 1  # half of it is still free
+        assert await h.store_keys(tier, primary, keys) == [True] * 5
+    assert len(await asyncio.to_thread(slab_files, tmp_path)) == 2  # closing waited for the claim
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    async with tier:
+        assert await h.load_and_check(tier, primary, keys) == [True] * 5
+
+
+@pytest.mark.asyncio
 async def test_fsync_mode_round_trips(tmp_path: Path) -> None:
     tier, primary = h.make_tier(str(tmp_path), fsync=True)
     keys = [h.key_for(i) for i in range(6)]
