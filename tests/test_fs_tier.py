@@ -254,15 +254,21 @@ async def test_the_next_slab_is_claimed_before_the_stores_need_it(tmp_path: Path
     # store never waits for a slab's fallocate behind the writes in flight.
     capacity = 16 * 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * 162)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
-    keys = [h.key_for(i) for i in range(5)]
+    keys = [h.key_for(i) for i in range(8)]
     async with tier:
         assert await h.store_keys(tier, primary, keys[:4]) == [True] * 4
         assert tier.stats()["slabs"] == 1  # half of it is still free
-        assert await h.store_keys(tier, primary, keys) == [True] * 5
-    assert len(await asyncio.to_thread(slab_files, tmp_path)) == 2  # closing waited for the claim
+        assert await h.store_keys(tier, primary, keys[:5]) == [True] * 5
+        assert await h.store_keys(tier, primary, keys) == [True] * 8
+    slabs = await asyncio.to_thread(slab_files, tmp_path)
+    assert len(slabs) == 2  # closing waited for the claim
+    # The first slab filled before the second was written to: record 7 holds key 7.
+    first_slab = await asyncio.to_thread(slabs[0].read_bytes)
+    record = record_bytes_for(h.BLOCK_NBYTES)
+    assert first_slab[7 * record : 7 * record + h.BLOCK_NBYTES] == h.payload_for(keys[7])
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
     async with tier:
-        assert await h.load_and_check(tier, primary, keys) == [True] * 5
+        assert await h.load_and_check(tier, primary, keys) == [True] * 8
 
 
 @pytest.mark.asyncio

@@ -584,14 +584,17 @@ class FileSystemTier(SecondaryTierManager):
             if not self._readers[where]:
                 self._lru[where] = None
                 self._lru.move_to_end(where, last=False)
-        for record in range(state.records - 1, -1, -1):
+        free = []
+        for record in range(state.records - 1, -1, -1):  # popped from the end: record 0 first
             where = (slab, record)
             if where in self._entry:
                 continue
             if self._readers[where]:
                 self._doomed.add(where)  # read as another's record: room once that read ends
             else:
-                self._free.append(where)
+                free.append(where)
+        # Behind what is left of the slab before (claimed ahead): that one fills first, in order.
+        self._free[:0] = free
 
     def _next_seq(self) -> int:
         # Wall-clock nanoseconds, strictly increasing here: comparable across processes, so
