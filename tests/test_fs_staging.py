@@ -103,9 +103,14 @@ async def test_staged_blocks_round_trip_across_stage_boundaries(tmp_path: Path) 
     async with tier:
         await tier.open()
         assert tier.stats()["staging"] is True
+        # One buffer per I/O thread, made when it opened, not by the first store's threads.
+        reserved = tier.scheduler.limits.io_threads * STAGE_BYTES
+        assert tier.stats()["stage_buffer_bytes"] == reserved
         assert await tier.store(keys, list(range(count))) == [True] * count
         assert await tier.load(keys[::-1], list(range(count, 2 * count))) == [True] * count
         assert [bytes(primary.slot_view(count + n)) for n in range(count)] == stored[::-1]
+        assert tier.stats()["stage_buffer_bytes"] == reserved  # no call went without one
+    assert tier.stats()["stage_buffer_bytes"] == 0  # let go on closing
     for slot in range(count, 2 * count):
         primary.slot_view(slot)[:] = bytes(block)
     tier = FileSystemTier(spec, primary.view, root=tmp_path, direct_io=True, staging=True)
@@ -121,6 +126,7 @@ async def test_staging_needs_o_direct(tmp_path: Path) -> None:
     async with FileSystemTier(spec, primary.view, root=tmp_path, direct_io=False, staging=True) as tier:
         await tier.open()
         assert tier.stats()["staging"] is False  # buffered I/O copies through the page cache anyway
+        assert tier.stats()["stage_buffer_bytes"] == 0
 
 
 @needs_frames

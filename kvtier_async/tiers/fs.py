@@ -50,7 +50,7 @@ from .fs_layout import (
     slab_path,
     try_flock,
 )
-from .fs_staging import Stager, address_of, pages_scattered
+from .fs_staging import STAGE_BYTES, Stager, address_of, pages_scattered
 
 __all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_REFRESH_INTERVAL_S", "FileSystemTier"]
 
@@ -250,6 +250,8 @@ class FileSystemTier(SecondaryTierManager):
             self.staging = self.direct_io and pages_scattered(self.primary_kv_view) is True
         else:
             self.staging = self.direct_io and bool(self.staging_requested)
+        if self.staging:
+            self._stager.reserve(self.scheduler.limits.io_threads)  # not in the first store's time
         if self.requested_capacity is None:
             existing = 0
             for n in slab_numbers(self.directory, self.block_nbytes):
@@ -282,6 +284,7 @@ class FileSystemTier(SecondaryTierManager):
         own, self._own = list(self._own.values()), {}
         others, self._others = list(self._others.values()), {}
         await self.run_blocking(self._close_files, own, others)
+        await self.run_blocking(self._stager.release)
 
     @staticmethod
     def _close_files(own: list[_OwnSlab], others: list[_OtherSlab]) -> None:
@@ -1045,6 +1048,7 @@ class FileSystemTier(SecondaryTierManager):
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
             "staging": self.staging,
+            "stage_buffer_bytes": self._stager.buffers * STAGE_BYTES,
             "fsync": self.fsync,
             "slabs": len(own),
             "shared_slabs": len(self._others),
