@@ -83,6 +83,11 @@ def fs_tier(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def fs_steady(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/fs_steady.py", "--gib", "0.5", "--repeat", "5"]
+    return shlex.join(command), run_json(command)
+
+
 def peers(args: argparse.Namespace) -> tuple[str, Any]:
     """LMCache's disk backend and our fs tier, alternated round by round on the same bytes."""
     rounds: list[dict[str, Any]] = []
@@ -130,6 +135,7 @@ def kvtier_bench(args: argparse.Namespace) -> tuple[str, Any]:
 
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
+    "fs_steady": fs_steady,
     "peers": peers,
     "vllm_tiers": vllm_tiers,
     "loop_lag": loop_lag,

@@ -47,6 +47,16 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
     assert all(row["tier"]["fresh_load_gbps"] > 0 and row["raw"]["again_load_gbps"] > 0 for row in rows)
 
 
+def test_fs_steady_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "steady.json"
+    bench(
+        "fs_steady.py", "--gib", "0.01", "--threads", "2", "--repeat", "2", "--dir", tmp_path, "--json", out
+    )
+    rows = json.loads(out.read_text())  # the script itself fails if the tier was not full
+    assert [row["block_kib"] for row in rows] == [2048, 32768]
+    assert all(row["tier_store_gbps"] > 0 and row["new_files_gbps"] > 0 for row in rows)
+
+
 def test_fs_open_bench_runs(tmp_path: Path) -> None:
     assert "open (cold)" in bench("fs_open.py", "--blocks", "500", "--dir", tmp_path)
 
@@ -134,4 +144,5 @@ def test_run_all_describes_the_machine() -> None:
         sys.path.remove(str(BENCH))
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
-    assert set(run_all.RECORDERS) == {"fs_tier", "peers", "vllm_tiers", "loop_lag", "kvtier_bench"}
+    recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench"}
+    assert set(run_all.RECORDERS) == recorders
