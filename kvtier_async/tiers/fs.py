@@ -236,7 +236,8 @@ class FileSystemTier(SecondaryTierManager):
         await self._refresh_now()
 
     def _open_files(self) -> None:
-        """Worker thread: make or check the directory, probe O_DIRECT, size the namespace."""
+        """Worker thread: make or check the directory, probe O_DIRECT, make the staging buffers
+        if staging, size the namespace."""
         prepare_directory(self.root, self.directory, self.offloading_spec.namespace)
         if self.direct_io_requested == "auto":
             self.direct_io = _probe_direct_io(self.directory)
@@ -251,7 +252,7 @@ class FileSystemTier(SecondaryTierManager):
         else:
             self.staging = self.direct_io and bool(self.staging_requested)
         if self.staging:
-            self._stager.reserve(self.scheduler.limits.io_threads)  # not in the first store's time
+            self._stager.reserve(self.scheduler.limits.io_threads)
         if self.requested_capacity is None:
             existing = 0
             for n in slab_numbers(self.directory, self.block_nbytes):
