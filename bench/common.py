@@ -5,20 +5,44 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier_async.benchmark import LoopLag, freeze_startup_heap, median_tree, percentile
 from kvtier_async.benchmark import drop_page_cache as drop_cache
 
-__all__ = ["GB", "LoopLag", "drop_cache", "freeze_startup_heap", "median_tree", "percentile", "run", "timed"]
+__all__ = [
+    "GB",
+    "LoopLag",
+    "drop_cache",
+    "freeze_startup_heap",
+    "in_turn",
+    "median_tree",
+    "percentile",
+    "run",
+    "timed",
+]
 
 GB = 1e9
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:
     started = time.perf_counter()
     await work()
     return time.perf_counter() - started
+
+
+async def in_turn(
+    attempt: int, ours: Callable[[], Awaitable[A]], baseline: Callable[[], Awaitable[B]]
+) -> tuple[A, B]:
+    """Both results; ours runs first in even attempts, the baseline in odd ones, so that neither
+    always gets the fresher disk (the first timed write after a round's set-up is the slower)."""
+    if attempt % 2:
+        second = await baseline()
+        return await ours(), second
+    first = await ours()
+    return first, await baseline()
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:

@@ -30,9 +30,10 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
-from common import GB, median_tree, run
+from common import GB, in_turn, median_tree, run
 from fs_tier import memory_spec, primary_memory
 
 import kvtier_async as kt
@@ -119,14 +120,11 @@ async def main() -> None:
             for attempt in range(args.repeat):
                 case = base / f"{kib}k-{attempt}"
                 with primary_memory("anon", memory_spec(block, count)) as view:
-                    tier_run = run_tier(case / "tier", block, count, args.threads, view)
-                    raw_run = asyncio.to_thread(run_raw, case / "raw", block, count, args.threads, view)
-                    if attempt % 2:  # which goes first alternates: neither gets a fresher disk
-                        raw = await raw_run
-                        tier_s = await tier_run
-                    else:
-                        tier_s = await tier_run
-                        raw = await raw_run
+                    tier_s, raw = await in_turn(
+                        attempt,
+                        partial(run_tier, case / "tier", block, count, args.threads, view),
+                        partial(asyncio.to_thread, run_raw, case / "raw", block, count, args.threads, view),
+                    )
                 await asyncio.to_thread(shutil.rmtree, case, True)
                 rounds.append(
                     {

@@ -45,10 +45,11 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
-from common import GB, drop_cache, median_tree, run
+from common import GB, drop_cache, in_turn, median_tree, run
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
@@ -235,16 +236,21 @@ async def main() -> None:
                     for attempt in range(args.repeat):  # interleaved, so drifts hit both alike
                         # One region for both: where its pages lie in RAM changes their speed.
                         with primary_memory(memory, memory_spec(block, count)) as view:
-                            tier_run = run_tier(case / f"tier{attempt}", block, count, threads, view)
-                            raw_run = asyncio.to_thread(
-                                run_raw, case / f"raw{attempt}", block, count, threads, view
+                            ours, baseline = await in_turn(
+                                attempt,
+                                partial(run_tier, case / f"tier{attempt}", block, count, threads, view),
+                                partial(
+                                    asyncio.to_thread,
+                                    run_raw,
+                                    case / f"raw{attempt}",
+                                    block,
+                                    count,
+                                    threads,
+                                    view,
+                                ),
                             )
-                            if attempt % 2:  # which goes first alternates: neither gets a fresher disk
-                                raws.append(await raw_run)
-                                tiers.append(await tier_run)
-                            else:
-                                tiers.append(await tier_run)
-                                raws.append(await raw_run)
+                            tiers.append(ours)
+                            raws.append(baseline)
                         if args.aiofiles:
                             aios.append(await run_aiofiles(case / f"aio{attempt}", block, count, threads))
                         await asyncio.to_thread(shutil.rmtree, case, True)
