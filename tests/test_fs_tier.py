@@ -223,9 +223,9 @@ async def test_files_are_owner_only(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_capacity_bounds_the_bytes_on_disk_and_evicts_oldest(tmp_path: Path) -> None:
-    from kvtier_async.tiers.fs_layout import record_bytes_for
+    from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
 
-    capacity = 20 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * 162)
+    capacity = 20 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
     async with tier:
         for start in range(0, 200, 8):
@@ -248,11 +248,11 @@ async def test_capacity_bounds_the_bytes_on_disk_and_evicts_oldest(tmp_path: Pat
 
 @pytest.mark.asyncio
 async def test_the_next_slab_is_claimed_before_the_stores_need_it(tmp_path: Path) -> None:
-    from kvtier_async.tiers.fs_layout import record_bytes_for
+    from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
 
     # 16 slabs of 8 records: past half a slab, the next one is claimed in the background, so a
     # store never waits for a slab's fallocate behind the writes in flight.
-    capacity = 16 * 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * 162)
+    capacity = 16 * 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
     keys = [h.key_for(i) for i in range(8)]
     async with tier:

@@ -269,8 +269,8 @@ class FileSystemTier(SecondaryTierManager):
         self._max_slabs = max(1, max_records // self._slab_records)
         # What the stores in flight may take at once: fewer free records left than this, and
         # the next slab is claimed in the background (never more than half a slab ahead).
-        limits = self.offloading_spec.limits
-        in_flight = limits.max_inflight_stores * limits.batch_blocks
+        # Store lanes are the scheduler's (a cache's, when shared); batches are cut by our spec.
+        in_flight = self.scheduler.limits.max_inflight_stores * self.offloading_spec.limits.batch_blocks
         self._claim_ahead_records = min(self._slab_records // 2, in_flight)
 
     def _data_flags(self) -> int:
