@@ -1,128 +1,212 @@
-"""Benchmark: LMCache 0.5.6's LocalDiskBackend, store and cold load, to set beside bench/fs_tier.py.
+"""Benchmark: our fs tier against LMCache 0.5.6's LocalDiskBackend, store and cold load, in one process.
 
-LMCache pins its own dependencies, so it runs from its own environment:
+LMCache pins its own dependencies, so this runs from an environment that has both:
 
-    python -m venv /tmp/lmvenv && /tmp/lmvenv/bin/pip install torch==2.13.0 lmcache==0.5.6
-    /tmp/lmvenv/bin/python bench/lmcache_disk.py --block-mib 32 --blocks 32 --threads 4
+    python -m venv /tmp/lmvenv && /tmp/lmvenv/bin/pip install torch==2.13.0 lmcache==0.5.6 -e .
+    /tmp/lmvenv/bin/python bench/lmcache_disk.py --block-mib 32 2 --gib 1 --rounds 8
 
-Alternate it with `python bench/fs_tier.py --gib 1 --threads 4 --block-kib 32768 --memory anon
---repeat 1` (same bytes, threads and disk) and compare medians: `bench/run_all.py` does (its "peers" record).
+`bench/run_all.py --lmcache-python /tmp/lmvenv/bin/python` runs it for its "peers" record.
 
-Its best configuration here: O_DIRECT on (`use_odirect`, which needs page-aligned buffers, so
-its allocator gets page-aligned huge-page memory, every page touched first as in a running
-server), `disk_io_threads` = our `io_threads`. Each block is one file, written with one
-`os.write` and read with one `readinto`; LMCache keeps no checksum. The store is timed until
-every write has called back; the load is `batched_get_blocking` of every key in random order
-into memory LMCache allocates, page cache dropped first. Random bytes; the loaded bytes are
-compared with the stored ones. A new backend knows nothing of an earlier one's files, so there
-is no restart sequence to measure.
+Both sides run in one process, in rounds, each going first in every other round, and every
+round's ratio pairs the two on the same minute of the same disk. On this VM the first large
+write a process makes runs well below its second (1.3-1.9 against 2.0-2.5 GB/s at 32 MiB,
+whoever writes), and the disk's speed drifts from minute to minute; a process per side gave
+each one only first writes, and rounds minutes apart.
+
+- LMCache, in its best configuration here: O_DIRECT on (`use_odirect`, which needs page-aligned
+  buffers, so its allocator gets page-aligned huge-page memory, every page touched first as in
+  a running server), `disk_io_threads` = our `io_threads`. Each block is one file, written with
+  one `os.write` and read with one `readinto`; LMCache keeps no checksum. The store is timed
+  until every write has called back; the load is `batched_get_blocking` of every key in random
+  order into memory LMCache allocates. A new backend knows nothing of an earlier one's files,
+  so it has no restart figure.
+- Ours: `FileSystemTier` at its defaults but `io_threads`, checksums on, primary memory as
+  `PrimaryTier` makes it (anonymous, huge pages, populated): `store` of every block in one
+  call, then `load` of every block in random order into other slots; then the tier closed, a
+  new one opened on the same root (a restarted process) and the same load ("fresh").
+
+Each side gets a new directory every round; the page cache is dropped before every load;
+blocks hold random bytes, and every load is compared with what was stored.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import mmap
-import os
 import random
 import shutil
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
+from common import GB, drop_cache, in_turn, run
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
-from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
-
-def drop_page_cache(directory: Path) -> None:
-    # kvtier_async.benchmark.drop_page_cache, restated: this runs where kvtier_async is not installed.
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+import kvtier_async as kt
+from kvtier_async.tiers.fs import FileSystemTier
 
 
-def main() -> None:
+class LMCacheSide:
+    """LMCache's CPU allocator over page-aligned huge-page memory, and the blocks it stores."""
+
+    def __init__(self, block: int, count: int, threads: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.block, self.count, self.threads, self.loop = block, count, threads, loop
+        self.config = self._config(None)
+        self.memory = mmap.mmap(-1, 2 * block * count + (64 << 20))
+        self.memory.madvise(mmap.MADV_HUGEPAGE)
+        pool = torch.frombuffer(self.memory, dtype=torch.uint8)
+        pool.fill_(1)
+        self.cpu = LocalCPUBackend(
+            self.config, memory_allocator=TensorMemoryAllocator(pool, align_bytes=4096)
+        )
+        self.keys = [CacheEngineKey("bench", 1, 0, i, torch.bfloat16) for i in range(count)]
+        self.objs: list[MemoryObj] = []
+        for _ in self.keys:
+            obj = self.cpu.allocate(torch.Size([block // 2]), torch.bfloat16, MemoryFormat.KV_2LTD)
+            if obj is None or obj.tensor is None:
+                raise SystemExit("LMCache's allocator is out of memory")
+            obj.tensor.view(torch.uint8)[:] = torch.randint(0, 256, (block,), dtype=torch.uint8)
+            self.objs.append(obj)
+
+    def _config(self, root: Path | None) -> LMCacheEngineConfig:
+        return LMCacheEngineConfig.from_defaults(
+            local_cpu=False,
+            max_local_cpu_size=2 * self.block * self.count / 2**30 + 1,
+            local_disk=str(root) if root else None,
+            max_local_disk_size=4 * self.block * self.count / 2**30,
+            extra_config={"use_odirect": True, "disk_io_threads": self.threads},
+        )
+
+    def run(self, root: Path) -> dict[str, Any]:
+        """Worker thread: store every block into a new backend at `root`, then load them back."""
+        root.mkdir()
+        disk = LocalDiskBackend(self._config(root), self.loop, self.cpu)
+        try:
+            written = threading.Semaphore(0)
+            started = time.perf_counter()
+            for key, obj in zip(self.keys, self.objs):
+                disk.submit_put_task(key, obj, on_complete_callback=lambda _key: written.release())
+            for _ in self.keys:
+                if not written.acquire(timeout=120):
+                    raise SystemExit("an LMCache write never completed")
+            store_s = time.perf_counter() - started
+            drop_cache(root)
+            order = list(range(self.count))
+            random.Random(0).shuffle(order)
+            started = time.perf_counter()
+            got = disk.batched_get_blocking([self.keys[i] for i in order])
+            load_s = time.perf_counter() - started
+            exact = all(
+                g is not None
+                and torch.equal(g.tensor.view(torch.uint8), self.objs[i].tensor.view(torch.uint8))
+                for g, i in zip(got, order)
+            )
+            for g in got:
+                if g is not None:
+                    g.ref_count_down()  # back to the allocator for the next round
+        finally:
+            disk.close()
+        nbytes = self.block * self.count
+        return {"store_gbps": nbytes / store_s / GB, "load_gbps": nbytes / load_s / GB, "exact": exact}
+
+
+async def run_ours(
+    root: Path, block: int, count: int, threads: int, primary: kt.PrimaryTier
+) -> dict[str, Any]:
+    spec = kt.OffloadingSpec(
+        block_nbytes=block, num_cpu_blocks=2 * count, namespace="bench", io_threads=threads
+    )
+    keys = kt.block_hashes(range(count * 16), 16, namespace=f"peers-{block}")
+    order = list(range(count))
+    random.Random(0).shuffle(order)
+    tier = FileSystemTier(spec, primary.view, root=str(root))
+    await tier.open()  # outside the timed part
+    started = time.perf_counter()
+    stored = await tier.store(keys, list(range(count)))
+    store_s = time.perf_counter() - started
+    loads, exact = [], all(stored)
+    for fresh in (False, True):
+        if fresh:
+            await tier.aclose()
+            tier = FileSystemTier(spec, primary.view, root=str(root))
+            await tier.open()
+        primary.buffer[count:, :block].zero_()
+        await asyncio.to_thread(drop_cache, root)
+        started = time.perf_counter()
+        loaded = await tier.load([keys[i] for i in order], [count + i for i in order])
+        loads.append(time.perf_counter() - started)
+        exact = (
+            exact
+            and all(loaded)
+            and torch.equal(primary.buffer[:count, :block], primary.buffer[count:, :block])
+        )
+    await tier.aclose()
+    nbytes = block * count
+    return {
+        "store_gbps": nbytes / store_s / GB,
+        "load_gbps": nbytes / loads[0] / GB,
+        "fresh_load_gbps": nbytes / loads[1] / GB,
+        "exact": exact,
+    }
+
+
+async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--block-mib", type=int, default=32)
-    parser.add_argument("--blocks", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--block-mib", type=int, nargs="+", default=[32, 2])
+    parser.add_argument("--gib", type=float, default=1.0, help="bytes stored per side and round, in GiB")
+    parser.add_argument("--threads", type=int, default=4, help="LMCache's disk_io_threads, our io_threads")
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
-    # The start-up heap frozen, as a serving process (vLLM's engine core) does and as our
-    # benchmarks run (kvtier_async.benchmark.freeze_startup_heap).
-    gc.collect()
-    gc.freeze()
-    block, count = args.block_mib << 20, args.blocks
-    root = Path(tempfile.mkdtemp(prefix="lmcache-bench-", dir=args.dir))
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    base = Path(tempfile.mkdtemp(prefix="peers-bench-", dir=args.dir))
+    lm_loop = asyncio.new_event_loop()  # LMCache's backends want a loop of their own to post to
+    threading.Thread(target=lm_loop.run_forever, daemon=True).start()
+    rounds: list[dict[str, Any]] = []
     try:
-        config = LMCacheEngineConfig.from_defaults(
-            local_cpu=False,
-            max_local_cpu_size=2 * block * count / 2**30 + 1,
-            local_disk=str(root),
-            max_local_disk_size=4 * block * count / 2**30,
-            extra_config={"use_odirect": True, "disk_io_threads": args.threads},
-        )
-        memory = mmap.mmap(-1, 2 * block * count + (64 << 20))
-        memory.madvise(mmap.MADV_HUGEPAGE)
-        pool = torch.frombuffer(memory, dtype=torch.uint8)
-        pool.fill_(1)
-        cpu = LocalCPUBackend(config, memory_allocator=TensorMemoryAllocator(pool, align_bytes=4096))
-        disk = LocalDiskBackend(config, loop, cpu)
-        keys = [CacheEngineKey("bench", 1, 0, i, torch.bfloat16) for i in range(count)]
-        objs = []
-        for _ in keys:
-            obj = cpu.allocate(torch.Size([block // 2]), torch.bfloat16, MemoryFormat.KV_2LTD)
-            assert obj is not None and obj.tensor is not None
-            obj.tensor.view(torch.uint8)[:] = torch.randint(0, 256, (block,), dtype=torch.uint8)
-            objs.append(obj)
-        written = threading.Semaphore(0)
-        started = time.perf_counter()
-        for key, obj in zip(keys, objs):
-            disk.submit_put_task(key, obj, on_complete_callback=lambda _key: written.release())
-        for _ in keys:
-            if not written.acquire(timeout=120):
-                raise SystemExit("a write never completed")
-        store_s = time.perf_counter() - started
-        drop_page_cache(root)
-        order = list(range(count))
-        random.Random(0).shuffle(order)
-        started = time.perf_counter()
-        got = disk.batched_get_blocking([keys[i] for i in order])
-        load_s = time.perf_counter() - started
-        exact = all(
-            g is not None and torch.equal(g.tensor.view(torch.uint8), objs[i].tensor.view(torch.uint8))
-            for g, i in zip(got, order)
-        )
-        print(
-            f"lmcache {args.block_mib} MiB x {count} threads {args.threads}: "
-            f"store {block * count / store_s / 1e9:.2f} GB/s load {block * count / load_s / 1e9:.2f} GB/s "
-            f"exact {exact}",
-            flush=True,
-        )
+        for mib in args.block_mib:
+            block = mib << 20
+            count = max(1, int(args.gib * (1 << 30)) // block)
+            lmcache = LMCacheSide(block, count, args.threads, lm_loop)
+            primary = kt.PrimaryTier(
+                kt.OffloadingSpec(block_nbytes=block, num_cpu_blocks=2 * count), pin_memory=False
+            )
+            primary.buffer[:count, :block] = torch.randint(0, 256, (count, block), dtype=torch.uint8)
+            for r in range(args.rounds):
+                ours, theirs = await in_turn(
+                    r,
+                    partial(run_ours, base / f"kvtier-{mib}-{r}", block, count, args.threads, primary),
+                    partial(asyncio.to_thread, lmcache.run, base / f"lmcache-{mib}-{r}"),
+                )
+                if not (ours["exact"] and theirs["exact"]):
+                    raise SystemExit(f"round {r}: a load did not return the stored bytes")
+                rounds.append({"block_mib": mib, "round": r, "kvtier": ours, "lmcache": theirs})
+                print(
+                    f"{mib} MiB x {count} threads {args.threads} round {r}: "
+                    f"store kvtier {ours['store_gbps']:.2f} lmcache {theirs['store_gbps']:.2f} GB/s, "
+                    f"load kvtier {ours['load_gbps']:.2f} (fresh {ours['fresh_load_gbps']:.2f}) "
+                    f"lmcache {theirs['load_gbps']:.2f} GB/s",
+                    flush=True,
+                )
+                for side in ("kvtier", "lmcache"):
+                    await asyncio.to_thread(shutil.rmtree, base / f"{side}-{mib}-{r}", True)
+            del lmcache, primary
         if args.json:
-            result = {"block_mib": args.block_mib, "blocks": count, "threads": args.threads, "exact": exact}
-            result.update(store_gbps=block * count / store_s / 1e9, load_gbps=block * count / load_s / 1e9)
-            args.json.write_text(json.dumps(result))
+            args.json.write_text(json.dumps(rounds))
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-    os._exit(0)  # LMCache's executor threads do not stop on their own
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

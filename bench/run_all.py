@@ -8,8 +8,8 @@
 Each benchmark runs as its own process, as a user would run it, and writes its results to
 `docs/perf/<record>.json` together with the exact command and a description of this machine,
 so every figure on the page says where it came from. LMCache pins its own dependencies, so its
-record needs an environment with LMCache 0.5.6 installed (`--lmcache-python`; the module
-docstring of `bench/lmcache_disk.py` says how); without one that record keeps its last run.
+record needs an environment with LMCache 0.5.6 and this package installed (`--lmcache-python`;
+the module docstring of `bench/lmcache_disk.py` says how); without one that record keeps its last run.
 Run nothing else on the machine meanwhile: every record shares the disk.
 """
 
@@ -89,32 +89,19 @@ def fs_steady(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def peers(args: argparse.Namespace) -> tuple[str, Any]:
-    """LMCache's disk backend and our fs tier, alternated round by round on the same bytes."""
-    rounds: list[dict[str, Any]] = []
-    shown = []
-    for r in range(args.rounds):
-        for mib, blocks in ((32, 32), (2, 512)):
-            lm = [
-                PY,
-                "bench/lmcache_disk.py",
-                "--block-mib",
-                str(mib),
-                "--blocks",
-                str(blocks),
-                "--threads",
-                "4",
-            ]
-            ours = [PY, "bench/fs_tier.py", "--gib", "1", "--threads", "4", "--block-kib", str(mib * 1024)]
-            ours += ["--memory", "anon", "--repeat", "1"]
-            if r == 0:
-                shown += [shlex.join(lm), shlex.join(ours)]
-            if r % 2:
-                row = {"kvtier": run_json(ours)[0], "lmcache": run_json(lm, args.lmcache_python)}
-            else:
-                row = {"lmcache": run_json(lm, args.lmcache_python), "kvtier": run_json(ours)[0]}
-            rounds.append({"block_mib": mib, "round": r, **row})
-    command = f"{args.rounds} rounds, alternating: " + "; ".join(shown)
-    return command, rounds
+    """Our fs tier and LMCache's disk backend, in one process, taking turns to go first."""
+    command = [
+        PY,
+        "bench/lmcache_disk.py",
+        "--block-mib",
+        "32",
+        "2",
+        "--gib",
+        "1",
+        "--rounds",
+        str(args.rounds),
+    ]
+    return shlex.join(command), run_json(command, args.lmcache_python)
 
 
 def vllm_tiers(args: argparse.Namespace) -> tuple[str, Any]:
@@ -148,8 +135,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", nargs="+", choices=sorted(RECORDERS), default=None)
-    parser.add_argument("--lmcache-python", default=None, help="a Python with LMCache 0.5.6 installed")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds against LMCache")
+    parser.add_argument(
+        "--lmcache-python", default=None, help="a Python with LMCache 0.5.6 and kvtier_async installed"
+    )
+    parser.add_argument("--rounds", type=int, default=8, help="rounds against LMCache, each first in turn")
     parser.add_argument("--render-only", action="store_true")
     args = parser.parse_args()
     names = [] if args.render_only else (args.only or list(RECORDERS))
