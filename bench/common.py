@@ -37,7 +37,8 @@ async def in_turn(
     attempt: int, ours: Callable[[], Awaitable[A]], baseline: Callable[[], Awaitable[B]]
 ) -> tuple[A, B]:
     """Both results; ours runs first in even attempts, the baseline in odd ones, so that neither
-    always gets the fresher disk (the first timed write after a round's set-up is the slower)."""
+    always gets the fresher disk (the first timed write after a round's set-up is the slower).
+    Run an even number of attempts: with an odd one, one side goes first once more."""
     if attempt % 2:
         second = await baseline()
         return await ours(), second

@@ -106,7 +106,7 @@ async def main() -> None:
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768])
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--repeat", type=int, default=5, help="interleaved rounds per case; medians shown")
+    parser.add_argument("--repeat", type=int, default=6, help="interleaved rounds per case (even); medians")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="kvtier-steady-", dir=args.dir))

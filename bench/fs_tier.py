@@ -220,7 +220,7 @@ async def main() -> None:
     parser.add_argument("--memory", nargs="+", default=KINDS, choices=KINDS)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--aiofiles", action="store_true", help="also measure aiofiles")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds per case; medians shown")
+    parser.add_argument("--repeat", type=int, default=4, help="interleaved rounds per case (even); medians")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir))

@@ -79,12 +79,12 @@ def run_json(command: list[str], python: str = sys.executable) -> Any:
 
 
 def fs_tier(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/fs_tier.py", "--gib", "0.5", "--threads", "4", "8", "--aiofiles", "--repeat", "5"]
+    command = [PY, "bench/fs_tier.py", "--gib", "0.5", "--threads", "4", "8", "--aiofiles", "--repeat", "6"]
     return shlex.join(command), run_json(command)
 
 
 def fs_steady(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/fs_steady.py", "--gib", "0.5", "--repeat", "5"]
+    command = [PY, "bench/fs_steady.py", "--gib", "0.5", "--repeat", "6"]
     return shlex.join(command), run_json(command)
 
 
@@ -105,7 +105,7 @@ def peers(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def vllm_tiers(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/vllm_tiers.py", "--rounds", "5"]
+    command = [PY, "bench/vllm_tiers.py", "--rounds", "6"]
     return shlex.join(command), run_json(command)
 
 
