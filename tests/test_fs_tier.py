@@ -272,6 +272,30 @@ async def test_the_next_slab_is_claimed_before_the_stores_need_it(tmp_path: Path
 
 
 @pytest.mark.asyncio
+async def test_a_claim_that_has_finished_is_never_handed_out(tmp_path: Path) -> None:
+    # A store that finds no free record awaits the claim in progress. One handed a claim that
+    # had just finished, its done-callbacks not yet run, awaited it without yielding and spun
+    # for ever with the loop blocked (bench/fs_steady.py did: a full tier, a batch per block).
+    tier, primary = h.make_tier(str(tmp_path))
+    handed_out: list[bool] = []
+    async with tier:
+        take_claim = tier._take_claim
+
+        def and_then_ask_again(claim: Any) -> None:
+            tier._take_claim = take_claim  # type: ignore[method-assign]
+            take_claim(claim)
+            # Runs once the claim's task has ended, before its done-callbacks: where a store
+            # that found the new slab's records all taken by others would ask for a claim.
+            asyncio.get_running_loop().call_soon(lambda: handed_out.append(tier._start_claim().done()))
+
+        tier._take_claim = and_then_ask_again  # type: ignore[method-assign]
+        assert await h.store_keys(tier, primary, [h.key_for(0)]) == [True]
+        while tier._claiming is not None:  # the claim asked for, if any, settles before closing
+            await asyncio.shield(tier._claiming)
+    assert handed_out == [False]
+
+
+@pytest.mark.asyncio
 async def test_fsync_mode_round_trips(tmp_path: Path) -> None:
     tier, primary = h.make_tier(str(tmp_path), fsync=True)
     keys = [h.key_for(i) for i in range(6)]

@@ -114,6 +114,13 @@ class _Claim:
     disk_full: bool  # the disk had room for only part of it
 
 
+def _retrieve_exception(task: asyncio.Future[None]) -> None:
+    """Done-callback of a shared task: its exception is its awaiters' to handle, not an
+    "exception was never retrieved" at exit when none was left."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _probe_direct_io(directory: Path) -> bool:
     """Whether this file system takes O_DIRECT writes and reads of aligned buffers."""
     if not hasattr(os, "O_DIRECT"):
@@ -311,24 +318,24 @@ class FileSystemTier(SecondaryTierManager):
         if self._refreshing is None:
             # Its own task: a caller cancelled meanwhile never leaves news (and open files) unapplied.
             self._refreshing = asyncio.ensure_future(self._refresh_task())
-            self._refreshing.add_done_callback(self._refresh_done)
+            self._refreshing.add_done_callback(_retrieve_exception)
         await asyncio.shield(self._refreshing)
 
-    def _refresh_done(self, task: asyncio.Future[None]) -> None:
-        self._refreshing = None
-        if not task.cancelled():
-            task.exception()  # retrieved: the callers that awaited it got it
-
     async def _refresh_task(self) -> None:
-        known = {slab: (o.log_inode, o.log_offset) for slab, o in self._others.items()}
-        news, gone = await self.run_blocking(self._read_news, known, set(self._own))
-        for slab in gone:
-            self._forget_other(slab)
-        for item in news:
-            self._apply_news(item)
-        self._last_refresh = time.monotonic()
-        self._can_claim = not self._disk_full  # a process may have exited, leaving its slabs
-        self._may_create = len(self._own) + len(self._others) < self._max_slabs
+        try:
+            known = {slab: (o.log_inode, o.log_offset) for slab, o in self._others.items()}
+            news, gone = await self.run_blocking(self._read_news, known, set(self._own))
+            for slab in gone:
+                self._forget_other(slab)
+            for item in news:
+                self._apply_news(item)
+            self._last_refresh = time.monotonic()
+            self._can_claim = not self._disk_full  # a process may have exited, leaving its slabs
+            self._may_create = len(self._own) + len(self._others) < self._max_slabs
+        finally:
+            # Cleared by the task itself, not by a done-callback that runs later: meanwhile a
+            # caller would get the finished task back and not read the news it asked for.
+            self._refreshing = None
 
     def _read_news(
         self, known: dict[int, tuple[int, int]], own: set[int]
@@ -422,10 +429,9 @@ class FileSystemTier(SecondaryTierManager):
         our least recently used block.
         """
         while not self._free and self._may_claim():
-            claiming = self._start_claim()
-            # A failure is logged by _claim_done, which also stops claiming for now: evict instead.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(claiming)
+            # Always a claim still running (see _claim_task), so this waits, and the loop runs.
+            # A failed claim stops claiming until the next refresh: then we evict instead.
+            await asyncio.shield(self._start_claim())
         if self._free:
             where = self._free.pop()
             if len(self._free) < self._claim_ahead_records and self._claiming is None and self._may_claim():
@@ -450,7 +456,7 @@ class FileSystemTier(SecondaryTierManager):
         """The claim in progress, started if there is none."""
         if self._claiming is None:
             self._claiming = asyncio.ensure_future(self._claim_task())
-            self._claiming.add_done_callback(self._claim_done)
+            self._claiming.add_done_callback(_retrieve_exception)
         return self._claiming
 
     def _adoptable(self) -> list[int]:
@@ -461,29 +467,35 @@ class FileSystemTier(SecondaryTierManager):
             key=lambda slab: self._others[slab].newest,
         )
 
-    def _claim_done(self, task: asyncio.Future[None]) -> None:
-        self._claiming = None
-        if task.cancelled() or task.exception() is not None:
-            self._can_claim = False  # until the next refresh: no retry storm on a failing disk
-            self.counters["write_errors"] += 1
-            if not task.cancelled():
-                log.warning("fs tier %r: claiming a slab failed: %s", self.name, task.exception())
-
     async def _claim_task(self) -> None:
-        create = self._may_create
-        claim = await self.run_blocking(self._claim_slab, set(self._own), create, self._adoptable())
-        if claim is None:
-            self._may_create = False  # every number below the capacity is taken
-            self._can_claim = False  # until the next refresh: a writer may exit meanwhile
-            return
-        if claim.disk_full:
-            self.counters["out_of_space"] += 1
-            self._disk_full = True
-            self._can_claim = False
-        if claim.state.records:
-            self._take_claim(claim)
-        else:  # not a record's room left on the disk
-            await self.run_blocking(self._close_files, [claim.state], [])
+        """Claim a slab; never raises but for cancellation (a failure is logged and counted)."""
+        try:
+            create = self._may_create
+            claim = await self.run_blocking(self._claim_slab, set(self._own), create, self._adoptable())
+            if claim is None:
+                self._may_create = False  # every number below the capacity is taken
+                self._can_claim = False  # until the next refresh: a writer may exit meanwhile
+                return
+            if claim.disk_full:
+                self.counters["out_of_space"] += 1
+                self._disk_full = True
+                self._can_claim = False
+            if claim.state.records:
+                self._take_claim(claim)
+            else:  # not a record's room left on the disk
+                await self.run_blocking(self._close_files, [claim.state], [])
+        except BaseException as exc:
+            self._can_claim = False  # until the next refresh: no retry storm on a failing disk
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            self.counters["write_errors"] += 1
+            log.warning("fs tier %r: claiming a slab failed: %s", self.name, exc)
+        finally:
+            # Cleared by the task itself, not by a done-callback that runs later: meanwhile a
+            # store that found no free record got the finished task back from _start_claim,
+            # awaited it without yielding, and spun on it for ever (bench/fs_steady.py, 32 MiB
+            # blocks, a full tier: one batch per block, more of them ready than a slab has records).
+            self._claiming = None
 
     def _claim_slab(self, own: set[int], create: bool, adoptable: list[int]) -> _Claim | None:
         """Worker thread: become the writer of a new slab below the namespace's capacity, else of
