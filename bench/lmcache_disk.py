@@ -22,13 +22,15 @@ each one only first writes, and rounds minutes apart.
   files, so it has no restart figure: our fresh load is set against its second load, made at
   the same point of the sequence (this virtual disk reads a region more slowly a few seconds
   after writing it than at once, and a fresh load set against a first one would measure that).
-- Ours: `FileSystemTier` at its defaults but `io_threads`, checksums on, primary memory as
-  `PrimaryTier` makes it (anonymous, huge pages, populated): `store` of every block in one
-  call, then `load` of every block in random order into other slots; then the tier closed, a
-  new one opened on the same root (a restarted process) and the same load ("fresh").
+- Ours: `bench/fs_tier.py`'s run of the tier, at its defaults but `io_threads`, checksums on,
+  from and into its "anon" memory (`PrimaryTier`: anonymous, huge pages, populated): `store`
+  of every block in one call, then `load` of every block in random order into other slots;
+  then the tier closed, a new one opened on the same root (a restarted process) and the same
+  load ("fresh").
 
 Each side gets a new directory every round; the page cache is dropped before every load;
-blocks hold random bytes, and every load is compared with what was stored.
+blocks hold random bytes. LMCache's loads are compared with what was stored; ours are checked
+by the tier against their checksums, and the last one compared byte for byte too.
 """
 
 from __future__ import annotations
@@ -48,15 +50,13 @@ from typing import Any
 
 import torch
 from common import GB, drop_cache, in_turn, run
+from fs_tier import memory_spec, primary_memory, run_tier
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
-
-import kvtier_async as kt
-from kvtier_async.tiers.fs import FileSystemTier
 
 
 class LMCacheSide:
@@ -130,46 +130,6 @@ class LMCacheSide:
         }
 
 
-async def run_ours(
-    root: Path, block: int, count: int, threads: int, primary: kt.PrimaryTier
-) -> dict[str, Any]:
-    spec = kt.OffloadingSpec(
-        block_nbytes=block, num_cpu_blocks=2 * count, namespace="bench", io_threads=threads
-    )
-    keys = kt.block_hashes(range(count * 16), 16, namespace=f"peers-{block}")
-    order = list(range(count))
-    random.Random(0).shuffle(order)
-    tier = FileSystemTier(spec, primary.view, root=str(root))
-    await tier.open()  # outside the timed part
-    started = time.perf_counter()
-    stored = await tier.store(keys, list(range(count)))
-    store_s = time.perf_counter() - started
-    loads, exact = [], all(stored)
-    for fresh in (False, True):
-        if fresh:
-            await tier.aclose()
-            tier = FileSystemTier(spec, primary.view, root=str(root))
-            await tier.open()
-        primary.buffer[count:, :block].zero_()
-        await asyncio.to_thread(drop_cache, root)
-        started = time.perf_counter()
-        loaded = await tier.load([keys[i] for i in order], [count + i for i in order])
-        loads.append(time.perf_counter() - started)
-        exact = (
-            exact
-            and all(loaded)
-            and torch.equal(primary.buffer[:count, :block], primary.buffer[count:, :block])
-        )
-    await tier.aclose()
-    nbytes = block * count
-    return {
-        "store_gbps": nbytes / store_s / GB,
-        "load_gbps": nbytes / loads[0] / GB,
-        "fresh_load_gbps": nbytes / loads[1] / GB,
-        "exact": exact,
-    }
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32, 2])
@@ -188,29 +148,28 @@ async def main() -> None:
             block = mib << 20
             count = max(1, int(args.gib * (1 << 30)) // block)
             lmcache = LMCacheSide(block, count, args.threads, lm_loop)
-            primary = kt.PrimaryTier(
-                kt.OffloadingSpec(block_nbytes=block, num_cpu_blocks=2 * count), pin_memory=False
-            )
-            primary.buffer[:count, :block] = torch.randint(0, 256, (count, block), dtype=torch.uint8)
-            for r in range(args.rounds):
-                ours, theirs = await in_turn(
-                    r,
-                    partial(run_ours, base / f"kvtier-{mib}-{r}", block, count, args.threads, primary),
-                    partial(asyncio.to_thread, lmcache.run, base / f"lmcache-{mib}-{r}"),
-                )
-                if not (ours["exact"] and theirs["exact"]):
-                    raise SystemExit(f"round {r}: a load did not return the stored bytes")
-                rounds.append({"block_mib": mib, "round": r, "kvtier": ours, "lmcache": theirs})
-                print(
-                    f"{mib} MiB x {count} threads {args.threads} round {r}: "
-                    f"store kvtier {ours['store_gbps']:.2f} lmcache {theirs['store_gbps']:.2f} GB/s, "
-                    f"load kvtier {ours['load_gbps']:.2f} (fresh {ours['fresh_load_gbps']:.2f}) "
-                    f"lmcache {theirs['load_gbps']:.2f} (again {theirs['again_load_gbps']:.2f}) GB/s",
-                    flush=True,
-                )
-                for side in ("kvtier", "lmcache"):
-                    await asyncio.to_thread(shutil.rmtree, base / f"{side}-{mib}-{r}", True)
-            del lmcache, primary
+            with primary_memory("anon", memory_spec(block, count)) as view:
+                slots = torch.frombuffer(view, dtype=torch.uint8).view(2, count, -1)[:, :, :block]
+                for r in range(args.rounds):
+                    slots[1].zero_()
+                    ours, theirs = await in_turn(
+                        r,
+                        partial(run_tier, base / f"kvtier-{mib}-{r}", block, count, args.threads, view),
+                        partial(asyncio.to_thread, lmcache.run, base / f"lmcache-{mib}-{r}"),
+                    )
+                    if not (torch.equal(slots[0], slots[1]) and theirs["exact"]):
+                        raise SystemExit(f"round {r}: a load did not return the stored bytes")
+                    rounds.append({"block_mib": mib, "round": r, "kvtier": ours, "lmcache": theirs})
+                    print(
+                        f"{mib} MiB x {count} threads {args.threads} round {r}: "
+                        f"store kvtier {ours['store_gbps']:.2f} lmcache {theirs['store_gbps']:.2f} GB/s, "
+                        f"load kvtier {ours['load_gbps']:.2f} (fresh {ours['fresh_load_gbps']:.2f}) "
+                        f"lmcache {theirs['load_gbps']:.2f} (again {theirs['again_load_gbps']:.2f}) GB/s",
+                        flush=True,
+                    )
+                    for side in ("kvtier", "lmcache"):
+                        await asyncio.to_thread(shutil.rmtree, base / f"{side}-{mib}-{r}", True)
+            del lmcache
         if args.json:
             args.json.write_text(json.dumps(rounds))
     finally:
