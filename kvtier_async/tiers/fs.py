@@ -436,7 +436,7 @@ class FileSystemTier(SecondaryTierManager):
             where = self._free.pop()
             if len(self._free) < self._claim_ahead_records and self._claiming is None and self._may_claim():
                 # The next slab, ready before the stores in flight need it: claimed only once the
-                # free records ran out, it took 16-27 ms under four writes, and every store waited.
+                # free records ran out, it took 16-93 ms under four writes, and every store waited.
                 self._start_claim()
             return where, where in self._disk_live
         if self._lru:
