@@ -455,8 +455,7 @@ class FileSystemTier(SecondaryTierManager):
     def _start_claim(self) -> asyncio.Future[None]:
         """The claim in progress, started if there is none."""
         if self._claiming is None:
-            self._claiming = asyncio.ensure_future(self._claim_task())
-            self._claiming.add_done_callback(_retrieve_exception)
+            self._claiming = asyncio.ensure_future(self._claim_task())  # which never raises
         return self._claiming
 
     def _adoptable(self) -> list[int]:
