@@ -12,7 +12,9 @@ from kvtier_async.benchmark import drop_page_cache as drop_cache
 
 __all__ = [
     "GB",
+    "MIN_BLOCKS",
     "LoopLag",
+    "block_count",
     "drop_cache",
     "freeze_startup_heap",
     "in_turn",
@@ -23,8 +25,17 @@ __all__ = [
 ]
 
 GB = 1e9
+#: The fewest blocks a disk benchmark moves per round. With 16 blocks of 32 MiB (0.5 GiB) and 8
+#: threads, each thread had two, so one slow request decided a round: the same tier's load read
+#: 0.85x to 1.02x of the raw disk from one run to the next. 32 is what the fs tier issue measured.
+MIN_BLOCKS = 32
 A = TypeVar("A")
 B = TypeVar("B")
+
+
+def block_count(gib: float, block_nbytes: int) -> int:
+    """How many blocks of `block_nbytes` a round moves: `gib` GiB of them, and at least MIN_BLOCKS."""
+    return max(MIN_BLOCKS, int(gib * (1 << 30)) // block_nbytes)
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from common import GB, in_turn, median_tree, run
+from common import GB, block_count, in_turn, median_tree, run
 from fs_tier import memory_spec, primary_memory
 
 import kvtier_async as kt
@@ -102,7 +102,9 @@ def run_raw(work: Path, block_nbytes: int, count: int, threads: int, view: memor
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gib", type=float, default=0.5, help="bytes stored per case, in GiB")
+    parser.add_argument(
+        "--gib", type=float, default=0.5, help="bytes stored per case, in GiB (at least 32 blocks)"
+    )
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768])
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
@@ -114,7 +116,7 @@ async def main() -> None:
     try:
         for kib in args.block_kib:
             block = kib * 1024
-            count = max(1, int(args.gib * (1 << 30)) // block)
+            count = block_count(args.gib, block)
             nbytes = count * block
             rounds = []
             for attempt in range(args.repeat):

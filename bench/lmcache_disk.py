@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GB, drop_cache, in_turn, run
+from common import GB, block_count, drop_cache, in_turn, run
 from fs_tier import memory_spec, primary_memory, run_tier
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
@@ -133,7 +133,9 @@ class LMCacheSide:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32, 2])
-    parser.add_argument("--gib", type=float, default=1.0, help="bytes stored per side and round, in GiB")
+    parser.add_argument(
+        "--gib", type=float, default=1.0, help="bytes stored per side and round, in GiB (at least 32 blocks)"
+    )
     parser.add_argument("--threads", type=int, default=4, help="LMCache's disk_io_threads, our io_threads")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
@@ -146,7 +148,7 @@ async def main() -> None:
     try:
         for mib in args.block_mib:
             block = mib << 20
-            count = max(1, int(args.gib * (1 << 30)) // block)
+            count = block_count(args.gib, block)
             lmcache = LMCacheSide(block, count, args.threads, lm_loop)
             with primary_memory("anon", memory_spec(block, count)) as view:
                 slots = torch.frombuffer(view, dtype=torch.uint8).view(2, count, -1)[:, :, :block]
