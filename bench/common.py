@@ -25,9 +25,8 @@ __all__ = [
 ]
 
 GB = 1e9
-#: The fewest blocks a disk benchmark moves per round. With 16 blocks of 32 MiB (0.5 GiB) and 8
-#: threads, each thread had two, so one slow request decided a round: the same tier's load read
-#: 0.85x to 1.02x of the raw disk from one run to the next. 32 is what the fs tier issue measured.
+#: The fewest blocks a disk benchmark moves per round: with 16 blocks of 32 MiB (0.5 GiB) and 8
+#: threads, each thread would move two, and one slow request would decide the round.
 MIN_BLOCKS = 32
 A = TypeVar("A")
 B = TypeVar("B")
