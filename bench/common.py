@@ -32,9 +32,9 @@ A = TypeVar("A")
 B = TypeVar("B")
 
 
-def block_count(gib: float, block_nbytes: int) -> int:
-    """How many blocks of `block_nbytes` a round moves: `gib` GiB of them, and at least MIN_BLOCKS."""
-    return max(MIN_BLOCKS, int(gib * (1 << 30)) // block_nbytes)
+def block_count(gib: float, block_nbytes: int, min_blocks: int = MIN_BLOCKS) -> int:
+    """How many blocks of `block_nbytes` a round moves: `gib` GiB of them, and at least `min_blocks`."""
+    return max(min_blocks, int(gib * (1 << 30)) // block_nbytes)
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from common import GB, block_count, in_turn, median_tree, run
+from common import GB, MIN_BLOCKS, block_count, in_turn, median_tree, run
 from fs_tier import memory_spec, primary_memory
 
 import kvtier_async as kt
@@ -103,7 +103,13 @@ def run_raw(work: Path, block_nbytes: int, count: int, threads: int, view: memor
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--gib", type=float, default=0.5, help="bytes stored per case, in GiB (at least 32 blocks)"
+        "--gib", type=float, default=0.5, help="bytes stored per case, in GiB (see --min-blocks)"
+    )
+    parser.add_argument(
+        "--min-blocks",
+        type=int,
+        default=MIN_BLOCKS,
+        help=f"blocks per round, at least (default {MIN_BLOCKS})",
     )
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768])
     parser.add_argument("--threads", type=int, default=4)
@@ -116,7 +122,7 @@ async def main() -> None:
     try:
         for kib in args.block_kib:
             block = kib * 1024
-            count = block_count(args.gib, block)
+            count = block_count(args.gib, block, args.min_blocks)
             nbytes = count * block
             rounds = []
             for attempt in range(args.repeat):

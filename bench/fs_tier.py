@@ -49,7 +49,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import GB, block_count, drop_cache, in_turn, median_tree, run
+from common import GB, MIN_BLOCKS, block_count, drop_cache, in_turn, median_tree, run
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
@@ -215,7 +215,13 @@ async def run_aiofiles(work: Path, block_nbytes: int, count: int, threads: int) 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--gib", type=float, default=1.0, help="bytes moved per case, in GiB (at least 32 blocks)"
+        "--gib", type=float, default=1.0, help="bytes moved per case, in GiB (see --min-blocks)"
+    )
+    parser.add_argument(
+        "--min-blocks",
+        type=int,
+        default=MIN_BLOCKS,
+        help=f"blocks per round, at least (default {MIN_BLOCKS})",
     )
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768, 64])
     parser.add_argument("--threads", type=int, nargs="+", default=[4])
@@ -230,7 +236,7 @@ async def main() -> None:
     try:
         for kib in args.block_kib:
             block = kib * 1024
-            count = block_count(args.gib, block)
+            count = block_count(args.gib, block, args.min_blocks)
             for threads in args.threads:
                 for memory in args.memory:
                     case = base / f"{kib}k-{threads}-{memory}"

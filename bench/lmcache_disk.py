@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GB, block_count, drop_cache, in_turn, run
+from common import GB, MIN_BLOCKS, block_count, drop_cache, in_turn, run
 from fs_tier import memory_spec, primary_memory, run_tier
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
@@ -134,7 +134,13 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32, 2])
     parser.add_argument(
-        "--gib", type=float, default=1.0, help="bytes stored per side and round, in GiB (at least 32 blocks)"
+        "--gib", type=float, default=1.0, help="bytes stored per side and round, in GiB (see --min-blocks)"
+    )
+    parser.add_argument(
+        "--min-blocks",
+        type=int,
+        default=MIN_BLOCKS,
+        help=f"blocks per round, at least (default {MIN_BLOCKS})",
     )
     parser.add_argument("--threads", type=int, default=4, help="LMCache's disk_io_threads, our io_threads")
     parser.add_argument("--rounds", type=int, default=8)
@@ -148,7 +154,7 @@ async def main() -> None:
     try:
         for mib in args.block_mib:
             block = mib << 20
-            count = block_count(args.gib, block)
+            count = block_count(args.gib, block, args.min_blocks)
             lmcache = LMCacheSide(block, count, args.threads, lm_loop)
             with primary_memory("anon", memory_spec(block, count)) as view:
                 slots = torch.frombuffer(view, dtype=torch.uint8).view(2, count, -1)[:, :, :block]

@@ -30,6 +30,8 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
         "fs_tier.py",
         "--gib",
         "0.01",
+        "--min-blocks",
+        "1",
         "--threads",
         "2",
         "--repeat",
@@ -50,7 +52,19 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
 def test_fs_steady_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "steady.json"
     bench(
-        "fs_steady.py", "--gib", "0.01", "--threads", "2", "--repeat", "2", "--dir", tmp_path, "--json", out
+        "fs_steady.py",
+        "--gib",
+        "0.01",
+        "--min-blocks",
+        "1",
+        "--threads",
+        "2",
+        "--repeat",
+        "2",
+        "--dir",
+        tmp_path,
+        "--json",
+        out,
     )
     rows = json.loads(out.read_text())  # the script itself fails if the tier was not full
     assert [row["block_kib"] for row in rows] == [2048, 32768]
