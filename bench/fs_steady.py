@@ -1,6 +1,6 @@
 """Benchmark: the stores of a full fs tier (a cache in service) against the raw disk.
 
-    python bench/fs_steady.py                    # 0.5 GiB, 2 MiB and 32 MiB blocks, 4 threads
+    python bench/fs_steady.py                    # 0.5 GiB (32 blocks at least), 2 and 32 MiB blocks
 
 A cache in service is full: each new block evicts the oldest. Our fs tier then writes the new
 block over the evicted one's record, in place; a cache of one file per block (LMCache's

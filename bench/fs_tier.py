@@ -1,6 +1,6 @@
 """Benchmark: FileSystemTier store / cold load against raw O_DIRECT I/O of the same bytes.
 
-    python bench/fs_tier.py                      # 1 GiB, 2 MiB / 32 MiB / 64 KiB blocks, 4 threads
+    python bench/fs_tier.py                      # 1 GiB (32 blocks at least), 2 MiB / 32 MiB / 64 KiB
     python bench/fs_tier.py --gib 0.25 --threads 4 8 --memory anon scattered --aiofiles
 
 For each block size, thread count and kind of primary memory, in one run and on one disk, in
