@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ __all__ = [
     "GB",
     "MIN_BLOCKS",
     "LoopLag",
+    "add_size_arguments",
     "block_count",
     "drop_cache",
     "freeze_startup_heap",
@@ -30,6 +32,17 @@ GB = 1e9
 MIN_BLOCKS = 32
 A = TypeVar("A")
 B = TypeVar("B")
+
+
+def add_size_arguments(parser: argparse.ArgumentParser, gib: float, moved: str) -> None:
+    """`--gib` (how many GiB `moved`, by default `gib`) and `--min-blocks`, read by `block_count`."""
+    parser.add_argument("--gib", type=float, default=gib, help=f"bytes {moved}, in GiB (see --min-blocks)")
+    parser.add_argument(
+        "--min-blocks",
+        type=int,
+        default=MIN_BLOCKS,
+        help=f"blocks per round, at least (default {MIN_BLOCKS})",
+    )
 
 
 def block_count(gib: float, block_nbytes: int, min_blocks: int = MIN_BLOCKS) -> int:

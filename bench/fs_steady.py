@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from common import GB, MIN_BLOCKS, block_count, in_turn, median_tree, run
+from common import GB, add_size_arguments, block_count, in_turn, median_tree, run
 from fs_tier import memory_spec, primary_memory
 
 import kvtier_async as kt
@@ -102,15 +102,7 @@ def run_raw(work: Path, block_nbytes: int, count: int, threads: int, view: memor
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--gib", type=float, default=0.5, help="bytes stored per case, in GiB (see --min-blocks)"
-    )
-    parser.add_argument(
-        "--min-blocks",
-        type=int,
-        default=MIN_BLOCKS,
-        help=f"blocks per round, at least (default {MIN_BLOCKS})",
-    )
+    add_size_arguments(parser, 0.5, "stored per case")
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768])
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")

@@ -49,7 +49,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import GB, MIN_BLOCKS, block_count, drop_cache, in_turn, median_tree, run
+from common import GB, add_size_arguments, block_count, drop_cache, in_turn, median_tree, run
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
@@ -214,15 +214,7 @@ async def run_aiofiles(work: Path, block_nbytes: int, count: int, threads: int) 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--gib", type=float, default=1.0, help="bytes moved per case, in GiB (see --min-blocks)"
-    )
-    parser.add_argument(
-        "--min-blocks",
-        type=int,
-        default=MIN_BLOCKS,
-        help=f"blocks per round, at least (default {MIN_BLOCKS})",
-    )
+    add_size_arguments(parser, 1.0, "moved per case")
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2048, 32768, 64])
     parser.add_argument("--threads", type=int, nargs="+", default=[4])
     parser.add_argument("--memory", nargs="+", default=KINDS, choices=KINDS)

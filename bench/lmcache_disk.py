@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GB, MIN_BLOCKS, block_count, drop_cache, in_turn, run
+from common import GB, add_size_arguments, block_count, drop_cache, in_turn, run
 from fs_tier import memory_spec, primary_memory, run_tier
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
@@ -133,15 +133,7 @@ class LMCacheSide:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32, 2])
-    parser.add_argument(
-        "--gib", type=float, default=1.0, help="bytes stored per side and round, in GiB (see --min-blocks)"
-    )
-    parser.add_argument(
-        "--min-blocks",
-        type=int,
-        default=MIN_BLOCKS,
-        help=f"blocks per round, at least (default {MIN_BLOCKS})",
-    )
+    add_size_arguments(parser, 1.0, "stored per side and round")
     parser.add_argument("--threads", type=int, default=4, help="LMCache's disk_io_threads, our io_threads")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
