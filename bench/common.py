@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ __all__ = [
     "freeze_startup_heap",
     "in_turn",
     "median_tree",
+    "paired_ratio",
     "percentile",
     "run",
     "timed",
@@ -48,6 +50,17 @@ def add_size_arguments(parser: argparse.ArgumentParser, gib: float, moved: str) 
 def block_count(gib: float, block_nbytes: int, min_blocks: int = MIN_BLOCKS) -> int:
     """How many blocks of `block_nbytes` a round moves: `gib` GiB of them, and at least `min_blocks`."""
     return max(min_blocks, int(gib * (1 << 30)) // block_nbytes)
+
+
+def paired_ratio(
+    ours: list[dict[str, Any]], baseline: list[dict[str, Any]], key: str, base_key: str
+) -> float:
+    """The median over rounds of ours[key] / baseline[base_key], round by round.
+
+    Both sides of a round run back to back from the same memory, so what changes between rounds
+    (where that memory's pages lie, the disk's drift) cancels within a round's ratio; a ratio
+    of the two sides' medians could set one round's memory against another's."""
+    return statistics.median(a[key] / b[base_key] for a, b in zip(ours, baseline, strict=True))
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:

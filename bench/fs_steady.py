@@ -16,7 +16,8 @@ our PrimaryTier), with the same threads and O_DIRECT throughout:
   once before (not timed): the disk's best case;
 - raw new files: what a one-file-per-block cache does when full: per block, delete one of the
   files written before (not timed) and create and write a new one.
-The tier goes first in even rounds, the raw writers in odd ones; medians of the rounds.
+The tier goes first in even rounds, the raw writers in odd ones. Throughputs shown are medians
+of the rounds; a ratio is the median of the rounds' ratios (common.paired_ratio).
 Nothing here asserts: `bench/run_all.py` saves the numbers for docs/performance.md.
 """
 
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from common import GB, add_size_arguments, block_count, in_turn, median_tree, run
+from common import GB, add_size_arguments, block_count, in_turn, median_tree, paired_ratio, run
 from fs_tier import memory_spec, primary_memory
 
 import kvtier_async as kt
@@ -136,8 +137,9 @@ async def main() -> None:
             medians = median_tree(rounds)
             row = {"block_kib": kib, "blocks": count, "threads": args.threads, "repeats": args.repeat}
             row.update(medians)
-            row["overwrite_ratio"] = medians["tier_store_gbps"] / medians["overwrite_gbps"]
-            row["new_files_ratio"] = medians["tier_store_gbps"] / medians["new_files_gbps"]
+            row["overwrite_ratio"] = paired_ratio(rounds, rounds, "tier_store_gbps", "overwrite_gbps")
+            row["new_files_ratio"] = paired_ratio(rounds, rounds, "tier_store_gbps", "new_files_gbps")
+            row["rounds"] = rounds
             rows.append(row)
             print(
                 f"{kib:>5} KiB x {count:>5} threads {args.threads}: full tier store "

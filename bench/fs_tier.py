@@ -27,8 +27,9 @@ Primary memory is "anon" (our PrimaryTier: anonymous, huge pages, populated), "s
 pages mostly lie in order in RAM too) or "scattered" (the same, its pages faulted in turn with
 another mapping's: no two neighbours in RAM, as on a host that has been up a while). Blocks
 hold random bytes.
-Ratios are tier / raw throughput. Nothing here asserts: `bench/run_all.py` saves the numbers
-for docs/performance.md.
+Throughputs shown are medians of the rounds; a ratio is the median of the rounds' tier / raw
+ratios (common.paired_ratio), and --json saves every round. Nothing here asserts:
+`bench/run_all.py` saves the numbers for docs/performance.md.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import GB, add_size_arguments, block_count, drop_cache, in_turn, median_tree, run
+from common import GB, add_size_arguments, block_count, drop_cache, in_turn, median_tree, paired_ratio, run
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
@@ -263,9 +264,10 @@ async def main() -> None:
                         "repeats": args.repeat,
                         "tier": tier,
                         "raw": raw,
-                        "store_ratio": tier["store_gbps"] / raw["store_gbps"],
-                        "load_ratio": tier["load_gbps"] / raw["load_gbps"],
-                        "fresh_load_ratio": tier["fresh_load_gbps"] / raw["again_load_gbps"],
+                        "store_ratio": paired_ratio(tiers, raws, "store_gbps", "store_gbps"),
+                        "load_ratio": paired_ratio(tiers, raws, "load_gbps", "load_gbps"),
+                        "fresh_load_ratio": paired_ratio(tiers, raws, "fresh_load_gbps", "again_load_gbps"),
+                        "rounds": [{"tier": t, "raw": r} for t, r in zip(tiers, raws, strict=True)],
                     }
                     if aios:
                         row["aiofiles"] = median_tree(aios)

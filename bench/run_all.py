@@ -79,7 +79,7 @@ def run_json(command: list[str], python: str = sys.executable) -> Any:
 
 
 def fs_tier(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/fs_tier.py", "--gib", "0.5", "--threads", "4", "8", "--aiofiles", "--repeat", "6"]
+    command = [PY, "bench/fs_tier.py", "--gib", "0.5", "--threads", "4", "8", "--aiofiles", "--repeat", "8"]
     return shlex.join(command), run_json(command)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
         "--threads",
         "2",
         "--repeat",
-        "1",
+        "2",
         "--aiofiles",
         "--dir",
         tmp_path,
@@ -47,6 +48,11 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
         (kib, memory) for kib in (2048, 32768, 64) for memory in ("anon", "shm", "scattered")
     }
     assert all(row["tier"]["fresh_load_gbps"] > 0 and row["raw"]["again_load_gbps"] > 0 for row in rows)
+    for row in rows:  # a ratio is the median of the rounds' own ratios, and the rounds are kept
+        rounds = row["rounds"]
+        assert len(rounds) == 2
+        paired = [r["tier"]["fresh_load_gbps"] / r["raw"]["again_load_gbps"] for r in rounds]
+        assert row["fresh_load_ratio"] == pytest.approx(statistics.median(paired))
 
 
 def test_fs_steady_bench_runs(tmp_path: Path) -> None:
@@ -69,6 +75,9 @@ def test_fs_steady_bench_runs(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())  # the script itself fails if the tier was not full
     assert [row["block_kib"] for row in rows] == [2048, 32768]
     assert all(row["tier_store_gbps"] > 0 and row["new_files_gbps"] > 0 for row in rows)
+    for row in rows:
+        paired = [r["tier_store_gbps"] / r["overwrite_gbps"] for r in row["rounds"]]
+        assert len(paired) == 2 and row["overwrite_ratio"] == pytest.approx(statistics.median(paired))
 
 
 def test_fs_open_bench_runs(tmp_path: Path) -> None:
