@@ -23,7 +23,8 @@ each one only first writes, and rounds minutes apart.
   the same point of the sequence (this virtual disk reads a region more slowly a few seconds
   after writing it than at once, and a fresh load set against a first one would measure that).
 - Ours: `bench/fs_tier.py`'s run of the tier, at its defaults but `io_threads`, checksums on,
-  from and into its "anon" memory (`PrimaryTier`: anonymous, huge pages, populated): `store`
+  from and into its "anon" memory (`PrimaryTier`: anonymous, huge pages, populated) and, in
+  rounds of their own, its "shm" memory (a `/dev/shm` mapping, as vLLM hands its tiers): `store`
   of every block in one call, then `load` of every block in random order into other slots;
   then the tier closed, a new one opened on the same root (a restarted process) and the same
   load ("fresh").
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 from common import GB, add_size_arguments, block_count, drop_cache, in_turn, run
-from fs_tier import memory_spec, primary_memory, run_tier
+from fs_tier import KINDS, memory_spec, primary_memory, run_tier
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
@@ -135,7 +136,14 @@ async def main() -> None:
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32, 2])
     add_size_arguments(parser, 1.0, "stored per side and round")
     parser.add_argument("--threads", type=int, default=4, help="LMCache's disk_io_threads, our io_threads")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=8, help="rounds per block size and memory")
+    parser.add_argument(
+        "--memory",
+        nargs="+",
+        default=["anon", "shm"],
+        choices=KINDS,
+        help="our primary memory (fs_tier.py's)",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -148,27 +156,37 @@ async def main() -> None:
             block = mib << 20
             count = block_count(args.gib, block, args.min_blocks)
             lmcache = LMCacheSide(block, count, args.threads, lm_loop)
-            with primary_memory("anon", memory_spec(block, count)) as view:
-                slots = torch.frombuffer(view, dtype=torch.uint8).view(2, count, -1)[:, :, :block]
-                for r in range(args.rounds):
-                    slots[1].zero_()
-                    ours, theirs = await in_turn(
-                        r,
-                        partial(run_tier, base / f"kvtier-{mib}-{r}", block, count, args.threads, view),
-                        partial(asyncio.to_thread, lmcache.run, base / f"lmcache-{mib}-{r}"),
-                    )
-                    if not (torch.equal(slots[0], slots[1]) and theirs["exact"]):
-                        raise SystemExit(f"round {r}: a load did not return the stored bytes")
-                    rounds.append({"block_mib": mib, "round": r, "kvtier": ours, "lmcache": theirs})
-                    print(
-                        f"{mib} MiB x {count} threads {args.threads} round {r}: "
-                        f"store kvtier {ours['store_gbps']:.2f} lmcache {theirs['store_gbps']:.2f} GB/s, "
-                        f"load kvtier {ours['load_gbps']:.2f} (fresh {ours['fresh_load_gbps']:.2f}) "
-                        f"lmcache {theirs['load_gbps']:.2f} (again {theirs['again_load_gbps']:.2f}) GB/s",
-                        flush=True,
-                    )
-                    for side in ("kvtier", "lmcache"):
-                        await asyncio.to_thread(shutil.rmtree, base / f"{side}-{mib}-{r}", True)
+            for memory in args.memory:
+                with primary_memory(memory, memory_spec(block, count)) as view:
+                    slots = torch.frombuffer(view, dtype=torch.uint8).view(2, count, -1)[:, :, :block]
+                    for r in range(args.rounds):
+                        slots[1].zero_()
+                        ours_root, theirs_root = base / f"kvtier-{mib}-{r}", base / f"lmcache-{mib}-{r}"
+                        ours, theirs = await in_turn(
+                            r,
+                            partial(run_tier, ours_root, block, count, args.threads, view),
+                            partial(asyncio.to_thread, lmcache.run, theirs_root),
+                        )
+                        if not (torch.equal(slots[0], slots[1]) and theirs["exact"]):
+                            raise SystemExit(f"round {r}: a load did not return the stored bytes")
+                        rounds.append(
+                            {
+                                "block_mib": mib,
+                                "memory": memory,
+                                "round": r,
+                                "kvtier": ours,
+                                "lmcache": theirs,
+                            }
+                        )
+                        print(
+                            f"{mib} MiB x {count} threads {args.threads} {memory} round {r}: "
+                            f"store kvtier {ours['store_gbps']:.2f} lmcache {theirs['store_gbps']:.2f} GB/s, "
+                            f"load kvtier {ours['load_gbps']:.2f} (fresh {ours['fresh_load_gbps']:.2f}) "
+                            f"lmcache {theirs['load_gbps']:.2f} (again {theirs['again_load_gbps']:.2f}) GB/s",
+                            flush=True,
+                        )
+                        for root in (ours_root, theirs_root):
+                            await asyncio.to_thread(shutil.rmtree, root, True)
             del lmcache
         if args.json:
             args.json.write_text(json.dumps(rounds))

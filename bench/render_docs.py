@@ -81,10 +81,9 @@ def fs_section(out: Path) -> list[str]:
         "",
         "Our `FileSystemTier` at default settings (only `io_threads` set) beside plain threads",
         "doing O_DIRECT `pwrite` / `pread` of the same random bytes, from and into the same kind",
-        "of memory, in interleaved rounds. Throughputs are the medians of the rounds; a ratio is",
-        "the median of the rounds' own ratios (both sides of a round use one region of memory, and",
-        "where its pages lie changes the speed of both), so it need not equal the quotient of the",
-        "two medians beside it. *same tier*: the tier that stored",
+        "of memory (one region per round for both: where its pages lie changes the speed of",
+        "both), in interleaved rounds; a ratio need not equal the quotient of the two medians",
+        "beside it. *same tier*: the tier that stored",
         "the blocks loads them back, page cache dropped; *new tier*: a new tier object on the",
         "same root, as a restarted process, loads them again. The raw baseline runs the same",
         "sequence (store, load, load) and each load is set against the raw load at the same point",
@@ -137,8 +136,7 @@ def steady_section() -> list[str]:
         "as many new blocks is timed, beside plain threads overwriting files of one block each in",
         "place (the disk's best case) and, per block, deleting one such file and writing a new",
         "one; the same random bytes from our `PrimaryTier`, the same threads, O_DIRECT throughout,",
-        "the tier first in even rounds. Throughputs are the medians of the rounds, a ratio the",
-        "median of the rounds' own ratios.",
+        "the tier first in even rounds.",
         "",
         provenance(record),
         "",
@@ -156,16 +154,16 @@ def steady_section() -> list[str]:
     return lines
 
 
-def peer_medians() -> dict[int, dict[str, Any]]:
-    """Per block size in MiB: the median of each side's rounds, and of the rounds' ratios
-    (each round pairs the two on the same minute of the disk)."""
+def peer_medians() -> dict[tuple[int, str], dict[str, Any]]:
+    """Per block size in MiB and our kind of memory: the median of each side's rounds, and of
+    the rounds' ratios (each round pairs the two on the same minute of the disk)."""
     rounds = load("peers")["results"]
-    out: dict[int, dict[str, Any]] = {}
-    for mib in sorted({r["block_mib"] for r in rounds}):
-        mine = [r for r in rounds if r["block_mib"] == mib]
+    out: dict[tuple[int, str], dict[str, Any]] = {}
+    for case in sorted({(r["block_mib"], r["memory"]) for r in rounds}):
+        mine = [r for r in rounds if (r["block_mib"], r["memory"]) == case]
         lm_keys = ("store_gbps", "load_gbps", "again_load_gbps")
         kv_keys = ("store_gbps", "load_gbps", "fresh_load_gbps")
-        out[mib] = {
+        out[case] = {
             "lmcache": {k: statistics.median(r["lmcache"][k] for r in mine) for k in lm_keys},
             "kvtier": {k: statistics.median(r["kvtier"][k] for r in mine) for k in kv_keys},
             "ratio": {
@@ -179,7 +177,9 @@ def peer_medians() -> dict[int, dict[str, Any]]:
 
 def plot_throughput(rows: list[dict[str, Any]], out: Path) -> str:
     threads = min(r["threads"] for r in rows)
+    # LMCache's side runs from its own memory: its rounds beside our anon ones stand for it.
     peers = peer_medians() if (RECORDS / "peers.json").exists() else {}
+    peers = {mib: m for (mib, memory), m in peers.items() if memory == "anon"}
     figure, axes = plt.subplots(1, 2, figsize=(10, 5), sharey=True)
     for ax, what in zip(axes, ("store", "load")):
         for memory, style in (("anon", "-"), ("shm", ":"), ("scattered", "-.")):
@@ -246,18 +246,21 @@ def peers_section() -> list[str]:
         "the rounds' ratios, each round pairing the two on the same minute of the disk. LMCache keeps",
         "no checksum; ours are on. A new LMCache backend knows nothing of an earlier one's files, so",
         "it has no restart figure; ours (*new tier*) is set against LMCache's second load, made at the",
-        "same point of the sequence, as the raw baseline's is above.",
+        "same point of the sequence, as the raw baseline's is above. *our memory*: our tier stores",
+        "from and loads into our `PrimaryTier` (*anon*) or a `/dev/shm` mapping as vLLM hands its",
+        "tiers (*shm*), in rounds of their own, each beside a run of LMCache from its own memory.",
         "",
         provenance(record),
         "",
-        "| block | LMCache store / load (again) GB/s | kvtier store / load (new tier) GB/s "
+        "| block | our memory | LMCache store / load (again) GB/s | kvtier store / load (new tier) GB/s "
         "| store ratio | load ratio (new tier) | rounds |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
-    for mib, m in medians.items():
+    for (mib, memory), m in medians.items():
         lm, kv, ratio = m["lmcache"], m["kvtier"], m["ratio"]
         lines.append(
-            f"| {mib} MiB | {lm['store_gbps']:.2f} / {lm['load_gbps']:.2f} ({lm['again_load_gbps']:.2f}) | "
+            f"| {mib} MiB | {memory} | {lm['store_gbps']:.2f} / {lm['load_gbps']:.2f} "
+            f"({lm['again_load_gbps']:.2f}) | "
             f"{kv['store_gbps']:.2f} / "
             f"{kv['load_gbps']:.2f} ({kv['fresh_load_gbps']:.2f}) | {ratio['store_gbps']:.2f}x | "
             f"{ratio['load_gbps']:.2f}x ({ratio['fresh_load_gbps']:.2f}x) | {m['rounds']} |"
@@ -267,48 +270,38 @@ def peers_section() -> list[str]:
 
 def vllm_section() -> list[str]:
     record = load("vllm_tiers")
-    r = record["results"]
-    names = {
-        "store_gbps": "store (the cascade to the tier)",
-        "promote_same_gbps": "promotion, same engine, after `reset_cache`",
-        "promote_new_engine_gbps": "promotion, a new engine on the same root",
-    }
+    cases = record["results"]
     lines = [
         "## Inside vLLM, against vLLM's own fs tier",
         "",
-        f"Both tiers inside vLLM 0.33's real `TieringOffloadingManager`, {r['chunks']} chunks of",
-        f"{r['chunk_bytes'] >> 20} MiB of random bytes, a `/dev/shm` primary region, page cache dropped",
-        "before each promotion, each tier at its own defaults, medians of interleaved rounds",
-        f"({len(r['rounds']['kvtier'])} each). Only the GPU ↔ CPU copy is left out. vLLM faults",
-        "every page of a new engine's region in when it makes it; where in RAM those pages land",
-        "varies from engine to engine, so each round also shows how scattered they were (the",
-        "fraction of neighbouring pages that are not neighbours in RAM: the engine that stored,",
-        "then the new one). vLLM's fs tier reads and writes straight into them, which on this VM",
-        "runs at about half speed when they are scattered; ours stages its I/O then.",
+        "Both tiers inside vLLM 0.33's real `TieringOffloadingManager`, chunks of random bytes",
+        "(at least 32 a round, and 0.5 GiB), a `/dev/shm` primary region, page cache dropped",
+        "before each promotion, in interleaved rounds: each tier at its own defaults (what a",
+        "user who sets only the directory gets), and both at the same thread count (our",
+        "`io_threads`; vLLM's read pool and its write pool each that many). Only the GPU ↔ CPU",
+        "copy is left out. vLLM faults every page of a new engine's region in when it makes it;",
+        "where in RAM those pages land varies from engine to engine, and vLLM's fs tier reads",
+        "and writes straight into them, which on this VM runs at about half speed when they are",
+        "scattered; ours stages its I/O then. Every round, with how scattered each engine's",
+        "pages were, is in `docs/perf/vllm_tiers.json`.",
         "",
         provenance(record),
         "",
-        "| | kvtier fs GB/s | vLLM fs GB/s | ratio | kvtier rounds | vLLM rounds |",
-        "|---|---|---|---|---|---|",
+        "| chunk | I/O threads, kvtier / vLLM | store GB/s, kvtier / vLLM | ratio "
+        "| promotion, same engine | ratio | promotion, new engine | ratio | rounds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for key, label in names.items():
-        ours = ", ".join(f"{x[key]:.2f}" for x in r["rounds"]["kvtier"])
-        theirs = ", ".join(f"{x[key]:.2f}" for x in r["rounds"]["vllm-fs"])
+    for case in cases:
+        ours, theirs, ratio = case["medians"]["kvtier"], case["medians"]["vllm-fs"], case["ratios"]
+        cells = [
+            f"{ours[k]:.2f} / {theirs[k]:.2f} | {ratio[k]:.2f}x"
+            for k in ("store_gbps", "promote_same_gbps", "promote_new_engine_gbps")
+        ]
+        threads = case["threads_described"]
         lines.append(
-            f"| {label} | {r['medians']['kvtier'][key]:.2f} | {r['medians']['vllm-fs'][key]:.2f} | "
-            f"{r['ratios'][key]:.2f}x | {ours} | {theirs} |"
+            f"| {case['chunk_bytes'] >> 20} MiB | {threads['kvtier']} / {threads['vllm-fs']} | "
+            f"{' | '.join(cells)} | {len(case['rounds']['kvtier'])} |"
         )
-
-    def scatter(rounds: list[dict[str, Any]]) -> str:
-        def one(x: float | None) -> str:
-            return "?" if x is None else f"{x:.2f}"
-
-        return ", ".join(f"{one(x['scattered_same'])} / {one(x['scattered_new_engine'])}" for x in rounds)
-
-    lines.append(
-        f"| pages scattered, per round | | | | {scatter(r['rounds']['kvtier'])} "
-        f"| {scatter(r['rounds']['vllm-fs'])} |"
-    )
     return [*lines, ""]
 
 
@@ -413,8 +406,11 @@ def render(out: Path) -> str:
         "with LMCache and kvtier_async installed), and rendered by",
         "`python bench/render_docs.py`. Each section says the command and the machine. These",
         "machines are shared and noisy: the disk's speed moves between runs, so the benchmarks run",
-        "our code and its baseline in interleaved rounds of one run and report medians. Read the",
-        "ratios; absolute numbers are this machine's. Each benchmark process freezes its start-up",
+        "our code and its baseline in interleaved rounds of one run. A throughput shown is the",
+        "median of the rounds; a ratio is the median of the rounds' own ratios, each round setting",
+        "the two sides side by side on the same minute of the disk (and, where both use it, the",
+        "same memory). Read the ratios; absolute numbers are this machine's. Each benchmark",
+        "process freezes its start-up",
         "heap (`gc.collect(); gc.freeze()`), as vLLM's engine core does and as",
         "[running in production](production.md) advises: otherwise a full garbage collection",
         "(60-100 ms here with torch imported) lands on whichever timed step happens to trigger it.",
@@ -439,7 +435,11 @@ def headline() -> str:
         for r in load("fs_tier")["results"]
         if r["block_kib"] == 2048 and r["memory"] == "anon" and r["threads"] == 4
     )
-    vllm = load("vllm_tiers")["results"]["ratios"]
+    vllm = next(
+        case["ratios"]
+        for case in load("vllm_tiers")["results"]
+        if case["chunk_bytes"] == 2 << 20 and case["threads"] is None
+    )
     text = (
         "**Performance** ([details](docs/performance.md)): with 2 MiB blocks, 4 I/O threads and checksums "
         f"on, the fs tier stores at {fs['store_ratio']:.2f}x and loads cold at {fs['load_ratio']:.2f}x "
@@ -447,12 +447,13 @@ def headline() -> str:
         "same disk"
     )
     if (RECORDS / "peers.json").exists():
-        ratio = peer_medians()[2]["ratio"]
+        ratio = peer_medians()[(2, "anon")]["ratio"]
         text += f", {ratio['store_gbps']:.2f}x / {ratio['load_gbps']:.2f}x LMCache 0.5.6's disk backend"
     text += (
-        f", and inside vLLM stores at {vllm['store_gbps']:.2f}x and promotes at "
-        f"{vllm['promote_same_gbps']:.2f}x (same engine) and {vllm['promote_new_engine_gbps']:.2f}x "
-        "(a new engine) the speed of vLLM 0.33's own fs tier (medians of interleaved rounds on a "
+        ", and inside vLLM, each tier at its own defaults, stores at "
+        f"{vllm['store_gbps']:.2f}x and promotes at {vllm['promote_same_gbps']:.2f}x (same engine) "
+        f"and {vllm['promote_new_engine_gbps']:.2f}x (a new engine) the speed of vLLM 0.33's own fs "
+        "tier (medians of interleaved rounds on a "
         "2-core VM)."
     )
     return text

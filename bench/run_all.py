@@ -98,6 +98,9 @@ def peers(args: argparse.Namespace) -> tuple[str, Any]:
         "2",
         "--gib",
         "1",
+        "--memory",
+        "anon",
+        "shm",
         "--rounds",
         str(args.rounds),
     ]
@@ -105,7 +108,7 @@ def peers(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def vllm_tiers(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/vllm_tiers.py", "--rounds", "6"]
+    command = [PY, "bench/vllm_tiers.py", "--rounds", "6", "--threads", "default", "4", "8"]
     return shlex.join(command), run_json(command)
 
 

@@ -1,7 +1,7 @@
 """Benchmark: our fs tier against vLLM 0.33's own fs tier, both inside vLLM's tiering manager.
 
-    python bench/vllm_tiers.py                     # 2 MiB chunks, 512 MiB, 3 interleaved rounds
-    python bench/vllm_tiers.py --mib 1024 --rounds 5 --threads 8
+    python bench/vllm_tiers.py                     # 2 and 32 MiB chunks, 0.5 GiB (32 chunks at least)
+    python bench/vllm_tiers.py --chunk-kib 2048 --rounds 6 --threads default 4 8
 
 Both tiers are driven through vLLM's real `TieringOffloadingManager` (a real `/dev/shm` primary
 region, vLLM's factory), as its scheduler drives them; only the GPU <-> CPU copy is left out.
@@ -13,8 +13,9 @@ Rows hold random bytes. For each tier, each round, on the same disk:
 - promote, new engine: the manager shut down, a new one on the same directory, page cache
   dropped, then the same (here a chunk is RETRY first while the tier is asked about it).
 Defaults are each tier's own (what a user who sets only the directory gets), unless
-`--threads` sets both: our `io_threads` and lanes, vLLM's read and write threads.
-Ratios are ours / vLLM's throughput, medians of the rounds. Each round also records how
+`--threads` sets both: our `io_threads` and lanes, vLLM's read and write threads (each of
+its two pools that many). Throughputs shown are medians of the rounds; a ratio is the median
+of the rounds' ours / vLLM's ratios (common.paired_ratio). Each round also records how
 scattered in RAM the pages of each engine's primary region lay (the fraction of neighbouring
 pages that are not neighbours in RAM; None where the kernel hides frame numbers): O_DIRECT
 I/O straight into scattered pages runs at about half the disk's speed on a VM, and vLLM's
@@ -24,6 +25,7 @@ fs tier does that, while ours stages it (`kvtier_async.tiers.fs_staging`). Nothi
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shutil
 import statistics
@@ -35,10 +37,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from common import GB, drop_cache, freeze_startup_heap
+from common import GB, add_size_arguments, block_count, drop_cache, freeze_startup_heap, paired_ratio
 from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm_engine import ADAPTER, Engine, chunk_keys, make_manager, random_rows
 
+import kvtier_async as kt
 from kvtier_async.tiers.fs_staging import scattered_fraction
 
 
@@ -125,46 +129,87 @@ def one_round(
     }
 
 
+def default_threads() -> dict[str, str]:
+    """Each tier's own I/O threads, when nothing sets them, as the docs name them."""
+    ours = kt.OffloadingSpec(block_nbytes=1, num_cpu_blocks=1).limits.io_threads
+    signature = inspect.signature(FileSystemTierManager.__init__).parameters
+    reads, writes = (signature[name].default for name in ("n_read_threads", "n_write_threads"))
+    return {"kvtier": f"{ours}", "vllm-fs": f"{reads} read + {writes} write"}
+
+
+def one_case(work: Path, chunk_bytes: int, chunks: int, threads: int | None, rounds: int) -> dict[str, Any]:
+    """Interleaved rounds of both tiers at one chunk size and thread count, and their medians."""
+    results: dict[str, list[dict[str, float | None]]] = {"kvtier": [], "vllm-fs": []}
+    for r in range(rounds):
+        order = ["kvtier", "vllm-fs"] if r % 2 == 0 else ["vllm-fs", "kvtier"]
+        for name in order:
+            results[name].append(one_round(name, work, chunk_bytes, chunks, threads, seed=r))
+    speeds = [k for k in results["kvtier"][0] if k.endswith("_gbps")]
+    medians = {
+        name: {k: statistics.median(float(run[k] or 0) for run in runs) for k in speeds}
+        for name, runs in results.items()
+    }
+    ratios = {k: paired_ratio(results["kvtier"], results["vllm-fs"], k, k) for k in speeds}
+    described = (
+        default_threads()
+        if threads is None
+        else {"kvtier": f"{threads}", "vllm-fs": f"{threads} + {threads}"}
+    )
+    return {
+        "chunk_bytes": chunk_bytes,
+        "chunks": chunks,
+        "threads": threads,
+        "threads_described": described,
+        "medians": medians,
+        "ratios": ratios,
+        "rounds": results,
+    }
+
+
+def thread_count(text: str) -> int | None:
+    return None if text == "default" else int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mib", type=int, default=512, help="bytes moved per run, in MiB")
-    parser.add_argument("--chunk-kib", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_size_arguments(parser, 0.5, "moved per run")
+    parser.add_argument("--chunk-kib", type=int, nargs="+", default=[2048, 32768])
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per case (even)")
     parser.add_argument(
-        "--threads", type=int, default=None, help="both tiers' I/O threads (default: each's own)"
+        "--threads",
+        type=thread_count,
+        nargs="+",
+        default=[None],
+        help="both tiers' I/O threads, one case each; \"default\": each tier's own (the default)",
     )
     parser.add_argument("--dir", type=Path, default=None, help="where the tiers write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     freeze_startup_heap()  # as vLLM's engine core does after start-up
-    chunk_bytes = args.chunk_kib * 1024
-    chunks = max(1, args.mib * 1024 * 1024 // chunk_bytes)
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-", dir=args.dir))
-    results: dict[str, list[dict[str, float | None]]] = {"kvtier": [], "vllm-fs": []}
+    cases = []
     try:
-        for r in range(args.rounds):
-            order = ["kvtier", "vllm-fs"] if r % 2 == 0 else ["vllm-fs", "kvtier"]
-            for name in order:
-                results[name].append(one_round(name, work, chunk_bytes, chunks, args.threads, seed=r))
+        for kib in args.chunk_kib:
+            chunk_bytes = kib * 1024
+            chunks = block_count(args.gib, chunk_bytes, args.min_blocks)
+            for threads in args.threads:
+                case = one_case(work, chunk_bytes, chunks, threads, args.rounds)
+                cases.append(case)
+                print(
+                    f"{chunks} chunks of {kib} KiB, {args.rounds} interleaved rounds, threads: "
+                    f"kvtier {case['threads_described']['kvtier']}, "
+                    f"vLLM {case['threads_described']['vllm-fs']}"
+                )
+                print(f"{'':24}{'kvtier fs':>12}{'vLLM fs':>12}{'ratio':>8}")
+                for k, ratio in case["ratios"].items():
+                    ours, theirs = case["medians"]["kvtier"][k], case["medians"]["vllm-fs"][k]
+                    print(f"{k:24}{ours:>10.2f}GB{theirs:>10.2f}GB{ratio:>7.2f}x", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    medians = {
-        name: {
-            k: statistics.median(float(run[k] or 0) for run in runs) for k in runs[0] if k.endswith("_gbps")
-        }
-        for name, runs in results.items()
-    }
-    ratios = {k: medians["kvtier"][k] / medians["vllm-fs"][k] for k in medians["kvtier"]}
     if args.json:
-        summary = {"chunks": chunks, "chunk_bytes": chunk_bytes, "medians": medians, "ratios": ratios}
-        args.json.write_text(json.dumps({**summary, "rounds": results}))
-    threads = args.threads or "each tier's default"
-    print(f"{chunks} chunks of {args.chunk_kib} KiB, {args.rounds} interleaved rounds, threads: {threads}")
-    print(f"{'':24}{'kvtier fs':>12}{'vLLM fs':>12}{'ratio':>8}")
-    for k in ratios:
-        print(f"{k:24}{medians['kvtier'][k]:>10.2f}GB{medians['vllm-fs'][k]:>10.2f}GB{ratios[k]:>7.2f}x")
+        args.json.write_text(json.dumps(cases))
 
 
 if __name__ == "__main__":

@@ -144,19 +144,34 @@ def test_vllm_tiers_bench_runs(tmp_path: Path) -> None:
     path = tmp_path / "v.json"
     bench(
         "vllm_tiers.py",
-        "--mib",
-        "2",
+        "--gib",
+        "0.002",
+        "--min-blocks",
+        "1",
         "--chunk-kib",
         "256",
+        "512",
+        "--threads",
+        "default",
+        "2",
         "--rounds",
-        "1",
+        "2",
         "--dir",
         tmp_path,
         "--json",
         path,
     )
-    out = json.loads(path.read_text())
-    assert set(out["ratios"]) == {"store_gbps", "promote_same_gbps", "promote_new_engine_gbps"}
+    cases = json.loads(path.read_text())
+    assert [(case["chunk_bytes"], case["threads"]) for case in cases] == [
+        (256 << 10, None),
+        (256 << 10, 2),
+        (512 << 10, None),
+        (512 << 10, 2),
+    ]
+    for case in cases:
+        assert set(case["ratios"]) == {"store_gbps", "promote_same_gbps", "promote_new_engine_gbps"}
+        assert all(len(rounds) == 2 for rounds in case["rounds"].values())
+    assert cases[0]["threads_described"]["vllm-fs"] == "16 read + 16 write"
 
 
 def test_run_all_describes_the_machine() -> None:
