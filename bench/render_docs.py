@@ -19,6 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from common import paired_ratio
 
 from kvtier_async.benchmark import format_table
 
@@ -167,7 +168,7 @@ def peer_medians() -> dict[tuple[int, str], dict[str, Any]]:
             "lmcache": {k: statistics.median(r["lmcache"][k] for r in mine) for k in lm_keys},
             "kvtier": {k: statistics.median(r["kvtier"][k] for r in mine) for k in kv_keys},
             "ratio": {
-                k: statistics.median(r["kvtier"][k] / r["lmcache"][theirs] for r in mine)
+                k: paired_ratio([r["kvtier"] for r in mine], [r["lmcache"] for r in mine], k, theirs)
                 for k, theirs in zip(kv_keys, lm_keys)
             },
             "rounds": len(mine),

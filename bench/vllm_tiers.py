@@ -28,7 +28,6 @@ import argparse
 import inspect
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from common import GB, add_size_arguments, block_count, drop_cache, freeze_startup_heap, paired_ratio
+from common import (
+    GB,
+    add_size_arguments,
+    block_count,
+    drop_cache,
+    freeze_startup_heap,
+    median_tree,
+    paired_ratio,
+)
 from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm_engine import ADAPTER, Engine, chunk_keys, make_manager, random_rows
@@ -146,8 +153,7 @@ def one_case(work: Path, chunk_bytes: int, chunks: int, threads: int | None, rou
             results[name].append(one_round(name, work, chunk_bytes, chunks, threads, seed=r))
     speeds = [k for k in results["kvtier"][0] if k.endswith("_gbps")]
     medians = {
-        name: {k: statistics.median(float(run[k] or 0) for run in runs) for k in speeds}
-        for name, runs in results.items()
+        name: median_tree([{k: run[k] for k in speeds} for run in runs]) for name, runs in results.items()
     }
     ratios = {k: paired_ratio(results["kvtier"], results["vllm-fs"], k, k) for k in speeds}
     described = (
