@@ -12,6 +12,9 @@ import pytest
 import servers
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+#: The disk scripts' size for a smoke run: megabytes, not the records' 32-block minimum, and two
+#: rounds so that a ratio is a median of more than one.
+TWO_TINY_ROUNDS = ("--gib", "0.01", "--min-blocks", "1", "--threads", "2", "--repeat", "2")
 
 
 def bench(script: str, *args: str | Path) -> str:
@@ -29,14 +32,7 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "fs.json"
     bench(
         "fs_tier.py",
-        "--gib",
-        "0.01",
-        "--min-blocks",
-        "1",
-        "--threads",
-        "2",
-        "--repeat",
-        "2",
+        *TWO_TINY_ROUNDS,
         "--aiofiles",
         "--dir",
         tmp_path,
@@ -59,14 +55,7 @@ def test_fs_steady_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "steady.json"
     bench(
         "fs_steady.py",
-        "--gib",
-        "0.01",
-        "--min-blocks",
-        "1",
-        "--threads",
-        "2",
-        "--repeat",
-        "2",
+        *TWO_TINY_ROUNDS,
         "--dir",
         tmp_path,
         "--json",
