@@ -19,7 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from common import paired_ratio
+from common import median_bounds, round_ratios
 
 from kvtier_async.benchmark import format_table
 
@@ -43,6 +43,22 @@ def provenance(record: dict[str, Any]) -> str:
         f"{m['cpus']} x {m['cpu']}, {m['memory_gib']} GiB, Linux {m['kernel']}, disk {m['disk']}, "
         f"Python {m['python']}, torch {m['torch']}."
     )
+
+
+def ratio_cell(ratios: list[float]) -> str:
+    """A ratio as the page shows it: the median of the rounds' ratios, and the bounds on it."""
+    low, high, _ = median_bounds(ratios)
+    return f"{statistics.median(ratios):.2f}x [{low:.2f}, {high:.2f}]"
+
+
+def bounds_rule(round_counts: set[int]) -> str:
+    """Which rounds' ratios bound a median, for each number of rounds the page's records have."""
+    rules = []
+    for n in sorted(round_counts, reverse=True):
+        kth, _, chance = median_bounds(range(1, n + 1))  # the ranks themselves
+        nth = {1: "", 2: "second ", 3: "third "}.get(kth, f"{kth}th ")
+        rules.append(f"of {n} rounds, the {nth}lowest and the {nth}highest ({chance:.0%})")
+    return "; ".join(rules)
 
 
 def save(figure: Any, out: Path, name: str, records: list[str], legend: Any = None) -> str:
@@ -107,17 +123,25 @@ def fs_section(out: Path) -> list[str]:
         provenance(record),
         "",
         "| block | threads | memory | store GB/s (raw) | ratio "
-        "| load, same tier (new tier) | raw load, first (second) | ratio same (new) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| load, same tier (new tier) | raw load, first (second) | ratio, same tier | ratio, new tier |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t, raw = r["tier"], r["raw"]
+        tiers, raws = [x["tier"] for x in r["rounds"]], [x["raw"] for x in r["rounds"]]
+        ratios = [
+            ratio_cell(round_ratios(tiers, raws, ours, theirs))
+            for ours, theirs in (
+                ("store_gbps", "store_gbps"),
+                ("load_gbps", "load_gbps"),
+                ("fresh_load_gbps", "again_load_gbps"),
+            )
+        ]
         lines.append(
             f"| {size(r['block_kib'])} | {r['threads']} | {r['memory']} | {t['store_gbps']:.2f} "
-            f"({raw['store_gbps']:.2f}) | {r['store_ratio']:.2f}x | {t['load_gbps']:.2f} "
+            f"({raw['store_gbps']:.2f}) | {ratios[0]} | {t['load_gbps']:.2f} "
             f"({t['fresh_load_gbps']:.2f}) | {raw['load_gbps']:.2f} ({raw['again_load_gbps']:.2f}) "
-            f"| {r['load_ratio']:.2f}x "
-            f"({r['fresh_load_ratio']:.2f}x) |"
+            f"| {ratios[1]} | {ratios[2]} |"
         )
     lines += ["", plot_throughput(rows, out), ""]
     return lines
@@ -146,18 +170,21 @@ def steady_section() -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in record["results"]:
+        overwrite, new_files = (
+            ratio_cell(round_ratios(r["rounds"], r["rounds"], "tier_store_gbps", theirs))
+            for theirs in ("overwrite_gbps", "new_files_gbps")
+        )
         lines.append(
             f"| {size(r['block_kib'])} | {r['threads']} | {r['tier_store_gbps']:.2f} | "
-            f"{r['overwrite_gbps']:.2f} | {r['overwrite_ratio']:.2f}x | {r['new_files_gbps']:.2f} | "
-            f"{r['new_files_ratio']:.2f}x |"
+            f"{r['overwrite_gbps']:.2f} | {overwrite} | {r['new_files_gbps']:.2f} | {new_files} |"
         )
     lines.append("")
     return lines
 
 
 def peer_medians() -> dict[tuple[int, str], dict[str, Any]]:
-    """Per block size in MiB and our kind of memory: the median of each side's rounds, and of
-    the rounds' ratios (each round pairs the two on the same minute of the disk)."""
+    """Per block size in MiB and our kind of memory: the median of each side's rounds, the rounds'
+    ratios (each round pairs the two on the same minute of the disk) and their medians."""
     rounds = load("peers")["results"]
     out: dict[tuple[int, str], dict[str, Any]] = {}
     for case in sorted({(r["block_mib"], r["memory"]) for r in rounds}):
@@ -167,12 +194,13 @@ def peer_medians() -> dict[tuple[int, str], dict[str, Any]]:
         out[case] = {
             "lmcache": {k: statistics.median(r["lmcache"][k] for r in mine) for k in lm_keys},
             "kvtier": {k: statistics.median(r["kvtier"][k] for r in mine) for k in kv_keys},
-            "ratio": {
-                k: paired_ratio([r["kvtier"] for r in mine], [r["lmcache"] for r in mine], k, theirs)
+            "round_ratios": {
+                k: round_ratios([r["kvtier"] for r in mine], [r["lmcache"] for r in mine], k, theirs)
                 for k, theirs in zip(kv_keys, lm_keys)
             },
             "rounds": len(mine),
         }
+        out[case]["ratio"] = {k: statistics.median(v) for k, v in out[case]["round_ratios"].items()}
     return out
 
 
@@ -254,17 +282,17 @@ def peers_section() -> list[str]:
         provenance(record),
         "",
         "| block | our memory | LMCache store / load (again) GB/s | kvtier store / load (new tier) GB/s "
-        "| store ratio | load ratio (new tier) | rounds |",
-        "|---|---|---|---|---|---|---|",
+        "| store ratio | load ratio | load ratio, new tier | rounds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (mib, memory), m in medians.items():
-        lm, kv, ratio = m["lmcache"], m["kvtier"], m["ratio"]
+        lm, kv = m["lmcache"], m["kvtier"]
+        ratio = {k: ratio_cell(v) for k, v in m["round_ratios"].items()}
         lines.append(
             f"| {mib} MiB | {memory} | {lm['store_gbps']:.2f} / {lm['load_gbps']:.2f} "
-            f"({lm['again_load_gbps']:.2f}) | "
-            f"{kv['store_gbps']:.2f} / "
-            f"{kv['load_gbps']:.2f} ({kv['fresh_load_gbps']:.2f}) | {ratio['store_gbps']:.2f}x | "
-            f"{ratio['load_gbps']:.2f}x ({ratio['fresh_load_gbps']:.2f}x) | {m['rounds']} |"
+            f"({lm['again_load_gbps']:.2f}) | {kv['store_gbps']:.2f} / {kv['load_gbps']:.2f} "
+            f"({kv['fresh_load_gbps']:.2f}) | {ratio['store_gbps']} | {ratio['load_gbps']} | "
+            f"{ratio['fresh_load_gbps']} | {m['rounds']} |"
         )
     return [*lines, ""]
 
@@ -293,9 +321,10 @@ def vllm_section() -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for case in cases:
-        ours, theirs, ratio = case["medians"]["kvtier"], case["medians"]["vllm-fs"], case["ratios"]
+        ours, theirs = case["medians"]["kvtier"], case["medians"]["vllm-fs"]
+        rounds = case["rounds"]["kvtier"], case["rounds"]["vllm-fs"]
         cells = [
-            f"{ours[k]:.2f} / {theirs[k]:.2f} | {ratio[k]:.2f}x"
+            f"{ours[k]:.2f} / {theirs[k]:.2f} | {ratio_cell(round_ratios(*rounds, k, k))}"
             for k in ("store_gbps", "promote_same_gbps", "promote_new_engine_gbps")
         ]
         threads = case["threads_described"]
@@ -396,6 +425,17 @@ def aiofiles_section() -> list[str]:
     return lines
 
 
+def round_counts() -> set[int]:
+    """How many rounds each row of the page's records has."""
+    counts = {len(r["rounds"]) for r in load("fs_tier")["results"]}
+    counts |= {len(case["rounds"]["kvtier"]) for case in load("vllm_tiers")["results"]}
+    if (RECORDS / "fs_steady.json").exists():
+        counts |= {len(r["rounds"]) for r in load("fs_steady")["results"]}
+    if (RECORDS / "peers.json").exists():
+        counts |= {m["rounds"] for m in peer_medians().values()}
+    return counts
+
+
 def render(out: Path) -> str:
     lines = [
         "# Performance",
@@ -410,7 +450,12 @@ def render(out: Path) -> str:
         "our code and its baseline in interleaved rounds of one run. A throughput shown is the",
         "median of the rounds; a ratio is the median of the rounds' own ratios, each round setting",
         "the two sides side by side on the same minute of the disk (and, where both use it, the",
-        "same memory). Read the ratios; absolute numbers are this machine's. Each benchmark",
+        "same memory). Read the ratios; absolute numbers are this machine's. Beside each ratio, in",
+        "brackets, are bounds on it: two of the rounds' ratios that hold the median between them",
+        "with the chance given, assuming only that the rounds are independent",
+        "(`bench/common.median_bounds`):",
+        f"{bounds_rule(round_counts())}. Where the bounds take in 1.0, the two sides are level",
+        "within this machine's noise. Each benchmark",
         "process freezes its start-up heap (`gc.collect(); gc.freeze()`), as vLLM's engine core",
         "does and as [running in production](production.md) advises: otherwise a full garbage",
         "collection (60-100 ms here with torch imported) lands on whichever timed step happens to",

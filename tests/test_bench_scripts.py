@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import servers
@@ -163,12 +164,51 @@ def test_vllm_tiers_bench_runs(tmp_path: Path) -> None:
     assert cases[0]["threads_described"]["vllm-fs"] == "16 read + 16 write"
 
 
-def test_run_all_describes_the_machine() -> None:
+def import_bench(name: str) -> Any:
     sys.path.insert(0, str(BENCH))
     try:
-        import run_all
+        return __import__(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.mark.parametrize("n", range(1, 13))
+def test_median_bounds_hold_the_median_with_the_chance_they_say(n: int) -> None:
+    common = import_bench("common")
+    values = [(7 * i) % 13 / 10 for i in range(n)]  # distinct, out of order
+    low, high, chance = common.median_bounds(values)
+    ordered = sorted(values)
+    k = ordered.index(low) + 1
+    assert high == ordered[n - k] and low <= statistics.median(values) <= high
+    # The true median lies below the k-th smallest when fewer than k of the n rounds fall below
+    # it, each falling below with chance 1/2: count the sign patterns where that happens.
+    outside = sum(1 for signs in range(2**n) if bin(signs).count("1") < k)
+    assert chance == pytest.approx(1 - 2 * outside / 2**n)
+    if n >= 5:
+        assert chance >= 0.9  # the default confidence, reachable from 5 rounds on
+        # and no tighter pair of rounds would still reach it
+        tighter = sum(1 for signs in range(2**n) if bin(signs).count("1") < k + 1)
+        assert k + 1 > (n + 1) // 2 or 1 - 2 * tighter / 2**n < 0.9
+    else:
+        assert (low, high) == (ordered[0], ordered[-1])
+
+
+def test_median_bounds_of_the_records_round_counts() -> None:
+    common = import_bench("common")
+    assert common.median_bounds([5, 1, 8, 3, 2, 7, 6, 4]) == (2, 7, 1 - 2 * 9 / 256)  # 8 rounds
+    assert common.median_bounds([5, 1, 3, 2, 6, 4]) == (1, 6, 1 - 2 / 64)  # 6 rounds
+
+
+def test_median_bounds_refuse_what_has_no_median() -> None:
+    common = import_bench("common")
+    with pytest.raises(ValueError, match="no values"):
+        common.median_bounds([])
+    with pytest.raises(ValueError, match="confidence"):
+        common.median_bounds([1.0, 2.0], confidence=1.0)
+
+
+def test_run_all_describes_the_machine() -> None:
+    run_all = import_bench("run_all")
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench"}
