@@ -108,7 +108,7 @@ def peers(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def vllm_tiers(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/vllm_tiers.py", "--rounds", "6", "--threads", "default", "4", "8"]
+    command = [PY, "bench/vllm_tiers.py", "--rounds", "12", "--threads", "default", "4", "8"]
     return shlex.join(command), run_json(command)
 
 
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument(
         "--lmcache-python", default=None, help="a Python with LMCache 0.5.6 and kvtier_async installed"
     )
-    parser.add_argument("--rounds", type=int, default=8, help="rounds against LMCache, each first in turn")
+    parser.add_argument("--rounds", type=int, default=16, help="rounds against LMCache, each first in turn")
     parser.add_argument("--render-only", action="store_true")
     args = parser.parse_args()
     names = [] if args.render_only else (args.only or list(RECORDERS))
