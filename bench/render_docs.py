@@ -56,7 +56,8 @@ def bounds_rule(round_counts: set[int]) -> str:
     rules = []
     for n in sorted(round_counts, reverse=True):
         kth, _, chance = median_bounds(range(1, n + 1))  # the ranks themselves
-        nth = {1: "", 2: "second ", 3: "third "}.get(kth, f"{kth}th ")
+        suffix = "th" if kth % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(kth % 10, "th")
+        nth = f"{kth}{suffix} " if kth > 1 else ""
         rules.append(f"of {n} rounds, the {nth}lowest and the {nth}highest ({chance:.0%})")
     return "; ".join(rules)
 
