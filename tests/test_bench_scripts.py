@@ -195,6 +195,9 @@ def test_median_bounds_hold_the_median_with_the_chance_they_say(n: int) -> None:
 
 def test_median_bounds_of_the_records_round_counts() -> None:
     common = import_bench("common")
+    sixteen = common.median_bounds(list(range(16, 0, -1)))
+    assert sixteen == (5, 12, pytest.approx(1 - 2 * (1 + 16 + 120 + 560 + 1820) / 2**16))
+    assert common.median_bounds(list(range(12, 0, -1))) == (3, 10, pytest.approx(1 - 2 * 79 / 2**12))
     assert common.median_bounds([5, 1, 8, 3, 2, 7, 6, 4]) == (2, 7, 1 - 2 * 9 / 256)  # 8 rounds
     assert common.median_bounds([5, 1, 3, 2, 6, 4]) == (1, 6, 1 - 2 / 64)  # 6 rounds
 
