@@ -16,6 +16,7 @@ from kvtier_async.benchmark import drop_page_cache as drop_cache
 __all__ = [
     "GB",
     "MIN_BLOCKS",
+    "TIER_AGAINST_BASELINE",
     "LoopLag",
     "add_size_arguments",
     "block_count",
@@ -26,6 +27,7 @@ __all__ = [
     "median_tree",
     "paired_ratio",
     "percentile",
+    "round_ratios",
     "run",
     "timed",
 ]
@@ -34,6 +36,13 @@ GB = 1e9
 #: The fewest blocks a disk benchmark moves per round: with 16 blocks of 32 MiB (0.5 GiB) and 8
 #: threads, each thread would move two, and one slow request would decide the round.
 MIN_BLOCKS = 32
+#: Which of the tier's throughputs is set against which of a baseline's (raw I/O, LMCache): a
+#: load from a new tier against the baseline's second load, made at the same point of the sequence.
+TIER_AGAINST_BASELINE = (
+    ("store_gbps", "store_gbps"),
+    ("load_gbps", "load_gbps"),
+    ("fresh_load_gbps", "again_load_gbps"),
+)
 A = TypeVar("A")
 B = TypeVar("B")
 

@@ -50,7 +50,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import GB, add_size_arguments, block_count, drop_cache, in_turn, median_tree, paired_ratio, run
+from common import (
+    GB,
+    TIER_AGAINST_BASELINE,
+    add_size_arguments,
+    block_count,
+    drop_cache,
+    in_turn,
+    median_tree,
+    paired_ratio,
+    run,
+)
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
@@ -264,9 +274,10 @@ async def main() -> None:
                         "repeats": args.repeat,
                         "tier": tier,
                         "raw": raw,
-                        "store_ratio": paired_ratio(tiers, raws, "store_gbps", "store_gbps"),
-                        "load_ratio": paired_ratio(tiers, raws, "load_gbps", "load_gbps"),
-                        "fresh_load_ratio": paired_ratio(tiers, raws, "fresh_load_gbps", "again_load_gbps"),
+                        **{
+                            ours.replace("_gbps", "_ratio"): paired_ratio(tiers, raws, ours, theirs)
+                            for ours, theirs in TIER_AGAINST_BASELINE
+                        },
                         "rounds": [{"tier": t, "raw": r} for t, r in zip(tiers, raws, strict=True)],
                     }
                     if aios:

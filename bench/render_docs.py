@@ -19,7 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from common import median_bounds, round_ratios
+from common import TIER_AGAINST_BASELINE, median_bounds, round_ratios
 
 from kvtier_async.benchmark import format_table
 
@@ -131,12 +131,7 @@ def fs_section(out: Path) -> list[str]:
         t, raw = r["tier"], r["raw"]
         tiers, raws = [x["tier"] for x in r["rounds"]], [x["raw"] for x in r["rounds"]]
         ratios = [
-            ratio_cell(round_ratios(tiers, raws, ours, theirs))
-            for ours, theirs in (
-                ("store_gbps", "store_gbps"),
-                ("load_gbps", "load_gbps"),
-                ("fresh_load_gbps", "again_load_gbps"),
-            )
+            ratio_cell(round_ratios(tiers, raws, ours, theirs)) for ours, theirs in TIER_AGAINST_BASELINE
         ]
         lines.append(
             f"| {size(r['block_kib'])} | {r['threads']} | {r['memory']} | {t['store_gbps']:.2f} "
@@ -190,8 +185,7 @@ def peer_medians() -> dict[tuple[int, str], dict[str, Any]]:
     out: dict[tuple[int, str], dict[str, Any]] = {}
     for case in sorted({(r["block_mib"], r["memory"]) for r in rounds}):
         mine = [r for r in rounds if (r["block_mib"], r["memory"]) == case]
-        lm_keys = ("store_gbps", "load_gbps", "again_load_gbps")
-        kv_keys = ("store_gbps", "load_gbps", "fresh_load_gbps")
+        kv_keys, lm_keys = zip(*TIER_AGAINST_BASELINE, strict=True)
         out[case] = {
             "lmcache": {k: statistics.median(r["lmcache"][k] for r in mine) for k in lm_keys},
             "kvtier": {k: statistics.median(r["kvtier"][k] for r in mine) for k in kv_keys},
