@@ -129,6 +129,40 @@ async def test_a_writer_killed_mid_store_leaves_nothing_the_others_misread(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("capacity_records", [None, 24])
+async def test_processes_sharing_one_key_set_never_see_wrong_bytes(
+    tmp_path: Path, capacity_records: int | None
+) -> None:
+    # Data-parallel engines offload the same prompt prefixes: every process stores and loads
+    # one pool of keys at once, some requests cancelled, one process SIGKILLed mid-run, and
+    # (with a capacity of half the pool) each evicting while the others read. With the
+    # capacity, records are rewritten under other processes' reads: without the checksum
+    # check on read this case returns wrong bytes (4 runs of 4 failed with it taken out).
+    capacity = (
+        [] if capacity_records is None else ["--capacity", str(capacity_records * (RECORD + 4 * ENTRY))]
+    )
+    mixers = [await start(tmp_path, "mix", str(seed), "24", *capacity) for seed in range(3)]
+    victim = await start(tmp_path, "mix", "99", "1000", *capacity)
+    assert victim.stdout is not None
+    for _ in range(2):
+        assert (await victim.stdout.readline()).startswith(b"round"), "the victim stopped early"
+    victim.send_signal(signal.SIGKILL)
+    await victim.wait()
+    counts = []
+    for mixer in mixers:
+        out, _ = await mixer.communicate()
+        assert mixer.returncode == 0  # nothing raised
+        words = out.decode().splitlines()[-1].split()
+        counts.append({words[i]: int(words[i + 1]) for i in range(0, len(words), 2)})
+    assert [c["wrong"] for c in counts] == [0, 0, 0]
+    assert sum(c["hits"] for c in counts) > 0
+    code, out = await kvtier_fs("verify", str(tmp_path))
+    assert (code, "0 corrupt" in out) == (0, True), out
+    after = await load(tmp_path, 0, 48)
+    assert after["wrong"] == 0 and after["hits"] > 0
+
+
+@pytest.mark.asyncio
 async def test_stat_verify_and_gc_work_while_a_process_writes(tmp_path: Path) -> None:
     holder = await start(tmp_path, "store", "0", "20", "--hold")
     assert await acknowledged_until(holder, "holding") == list(range(20))
