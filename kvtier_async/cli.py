@@ -161,6 +161,11 @@ def _fs_command(args: argparse.Namespace) -> int:
             )
             for key in r.corrupt:
                 print(f"  corrupt: {key.hex()}")
+        # Always a last line: a root with nothing in it (or the wrong directory) says so.
+        print(
+            f"{len(reports)} namespace/block-size groups, "
+            f"{sum(r.checked for r in reports)} blocks checked, {corrupt} corrupt"
+        )
         return 1 if corrupt else 0
     reports = fs_admin.gc_root(args.root, args.capacity)
     for r in reports:
@@ -169,6 +174,10 @@ def _fs_command(args: argparse.Namespace) -> int:
             f"{r.bytes_on_disk / gib:.3f} GiB in {r.slabs} slabs, {r.blocks} blocks"
             + (f" ({r.slabs_in_use} slabs in use, left to their writers)" if r.slabs_in_use else "")
         )
+    print(
+        f"{len(reports)} namespace/block-size groups, "
+        f"removed {sum(r.removed_bytes for r in reports) / gib:.3f} GiB in all"
+    )
     return 0
 
 

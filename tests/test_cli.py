@@ -91,7 +91,9 @@ def test_fs_stat_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "cli-tests" in out and "other-model" in out and " 40 " in out
 
     assert main(["fs", "verify", str(tmp_path)]) == 0
-    assert "40 blocks checked, 0 corrupt" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cli-tests: 40 blocks checked, 0 corrupt" in out
+    assert out.endswith("2 namespace/block-size groups, 45 blocks checked, 0 corrupt\n")
     slabs = [
         p
         for p in tmp_path.glob("kvtier-*/slab-*.kvs")
@@ -102,7 +104,7 @@ def test_fs_stat_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str
         f.seek(3 * record + 4096 + 7)
         f.write(b"\xff\xfe")
     assert main(["fs", "verify", str(tmp_path)]) == 1
-    assert "1 corrupt" in capsys.readouterr().out
+    assert capsys.readouterr().out.endswith("45 blocks checked, 1 corrupt\n")
     assert main(["fs", "verify", str(tmp_path), "--remove"]) == 1
     assert main(["fs", "verify", str(tmp_path)]) == 0
     capsys.readouterr()
@@ -119,6 +121,19 @@ def test_fs_stat_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_fs_commands_report_a_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fs", "stat", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_fs_commands_say_when_a_root_holds_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An empty directory is a valid root (nothing stored yet), but silence would hide a
+    # command pointed at the wrong directory: each command ends with what it found.
+    assert main(["fs", "stat", str(tmp_path)]) == 0
+    assert "0 namespace/block-size groups, 0.000 GiB in all" in capsys.readouterr().out
+    assert main(["fs", "verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "0 namespace/block-size groups, 0 blocks checked, 0 corrupt\n"
+    assert main(["fs", "gc", str(tmp_path), "--capacity", "1G"]) == 0
+    assert capsys.readouterr().out == "0 namespace/block-size groups, removed 0.000 GiB in all\n"
 
 
 @pytest.mark.parametrize(
