@@ -8,7 +8,8 @@ python fs_process.py ROOT load START COUNT
 python fs_process.py ROOT mix SEED ROUNDS [--capacity N]
     ROUNDS rounds of 8 concurrent stores and loads of batches drawn from one pool of 48 keys
     that every mixing process shares (a hot head of 8, as a shared prompt prefix), some
-    cancelled as they start; prints "round r" after each and "hits H misses M wrong W" at the end
+    cancelled as they start; prints "round r hits H misses M wrong W" after each, counting the
+    loads so far (tests/soak_fs.py runs many at length)
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ async def mix(tier: FileSystemTier, primary: kt.PrimaryTier, seed: int, rounds: 
 
     for r in range(rounds):
         await asyncio.gather(*(one(t) for t in range(TASKS)))
-        print(f"round {r}", flush=True)
-    print(" ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
+        print(f"round {r} " + " ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -152,8 +152,8 @@ async def test_processes_sharing_one_key_set_never_see_wrong_bytes(
     for mixer in mixers:
         out, _ = await mixer.communicate()
         assert mixer.returncode == 0  # nothing raised
-        words = out.decode().splitlines()[-1].split()
-        counts.append({words[i]: int(words[i + 1]) for i in range(0, len(words), 2)})
+        words = out.decode().splitlines()[-1].split()  # round r hits H misses M wrong W
+        counts.append({words[i]: int(words[i + 1]) for i in range(2, len(words), 2)})
     assert [c["wrong"] for c in counts] == [0, 0, 0]
     assert sum(c["hits"] for c in counts) > 0
     code, out = await kvtier_fs("verify", str(tmp_path))
@@ -180,3 +180,23 @@ async def test_stat_verify_and_gc_work_while_a_process_writes(tmp_path: Path) ->
     assert holder.stdin is not None
     holder.stdin.close()
     assert await holder.wait() == 0
+
+
+@pytest.mark.asyncio
+async def test_the_soak_script_runs_and_finds_nothing_wrong(tmp_path: Path) -> None:
+    # tests/soak_fs.py is the long form of the sharing test above; a short run keeps it working.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(HERE / "soak_fs.py"),
+        str(tmp_path),
+        "--seconds",
+        "4",
+        "--processes",
+        "2",
+        "--kill-every",
+        "1",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, out.decode()
+    assert "'wrong': 0" in out.decode() and "SIGKILLed" in out.decode()
