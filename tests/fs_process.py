@@ -27,6 +27,13 @@ from kvtier_async.tiers.fs import FileSystemTier
 POOL, HOT, TASKS, BATCH = 48, 8, 8, 6
 
 
+def counts_in(line: str) -> dict[str, int]:
+    """The counts a "hits H misses M wrong W" line (or its "round r ..." form) reports."""
+    words = line.split()
+    words = words[words.index("hits") :]
+    return {words[i]: int(words[i + 1]) for i in range(0, len(words), 2)}
+
+
 async def mix(tier: FileSystemTier, primary: kt.PrimaryTier, seed: int, rounds: int) -> None:
     rng = random.Random(seed)
     counts = {"hits": 0, "misses": 0, "wrong": 0}

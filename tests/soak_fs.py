@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import fs_helpers as h
-from fs_process import POOL
+from fs_process import POOL, counts_in
 
 from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
 
@@ -49,8 +49,7 @@ class Mixer:
     async def _read(self) -> None:
         assert self.proc.stdout is not None
         while line := (await self.proc.stdout.readline()).decode():
-            words = line.split()  # round r hits H misses M wrong W
-            self.counts = {words[i]: int(words[i + 1]) for i in range(2, len(words), 2)}
+            self.counts = counts_in(line)
 
     async def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

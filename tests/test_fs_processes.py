@@ -12,6 +12,7 @@ from pathlib import Path
 
 import fs_helpers as h
 import pytest
+from fs_process import POOL, counts_in
 
 from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
 
@@ -48,8 +49,7 @@ async def load(root: Path, first: int, count: int) -> dict[str, int]:
     proc = await start(root, "load", str(first), str(count))
     out, _ = await proc.communicate()
     assert proc.returncode == 0
-    words = out.decode().split()
-    return {words[i]: int(words[i + 1]) for i in range(0, len(words), 2)}
+    return counts_in(out.decode())
 
 
 async def kvtier_fs(*args: str) -> tuple[int, str]:
@@ -152,13 +152,12 @@ async def test_processes_sharing_one_key_set_never_see_wrong_bytes(
     for mixer in mixers:
         out, _ = await mixer.communicate()
         assert mixer.returncode == 0  # nothing raised
-        words = out.decode().splitlines()[-1].split()  # round r hits H misses M wrong W
-        counts.append({words[i]: int(words[i + 1]) for i in range(2, len(words), 2)})
+        counts.append(counts_in(out.decode().splitlines()[-1]))
     assert [c["wrong"] for c in counts] == [0, 0, 0]
     assert sum(c["hits"] for c in counts) > 0
     code, out = await kvtier_fs("verify", str(tmp_path))
     assert (code, "0 corrupt" in out) == (0, True), out
-    after = await load(tmp_path, 0, 48)
+    after = await load(tmp_path, 0, POOL)
     assert after["wrong"] == 0 and after["hits"] > 0
 
 
