@@ -173,6 +173,7 @@ def _fs_command(args: argparse.Namespace) -> int:
             f"{r.namespace}: removed {r.removed_bytes / gib:.3f} GiB, now "
             f"{r.bytes_on_disk / gib:.3f} GiB in {r.slabs} slabs, {r.blocks} blocks"
             + (f" ({r.slabs_in_use} slabs in use, left to their writers)" if r.slabs_in_use else "")
+            + (f"; {r.logs_not_compacted} logs left uncompacted: no room" if r.logs_not_compacted else "")
         )
     print(
         f"{len(reports)} namespace/block-size groups, "

@@ -20,6 +20,7 @@ import pytest
 
 import kvtier_async as kt
 import kvtier_async.tiers.fs
+import kvtier_async.tiers.fs_admin
 from kvtier_async.spec import OffloadingSpec
 from kvtier_async.testing import TierContractTests
 from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
@@ -416,6 +417,36 @@ async def test_disk_full_fails_only_what_did_not_fit(tmp_path: Path) -> None:
                 assert got == [True] * len(got)
     finally:
         await asyncio.to_thread(subprocess.run, ["umount", str(mount)], check=False)
+
+
+def fill(mount: Path) -> None:
+    """Take every byte left on the file system at `mount`."""
+    with contextlib.suppress(OSError), open(mount / "filler", "wb", buffering=0) as f:
+        while True:
+            f.write(bytes(4096))  # until ENOSPC
+
+
+@pytest.mark.asyncio
+async def test_gc_frees_a_full_disk(tmp_path: Path) -> None:
+    # `kvtier fs gc` is how an operator clears a full disk, so it must not need free space:
+    # rewriting a kept slab's log cannot, until removing the old slabs has made room.
+    async with small_tmpfs(tmp_path / "small", "1m") as mount:
+        capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # slabs of 4 records
+        keys = [h.key_for(i) for i in range(24)]
+        for start in range(0, 24, 4):  # one tier after another: no slab keeps a writer
+            tier, primary = h.make_tier(str(mount), capacity_bytes=capacity)
+            async with tier:
+                assert await h.store_keys(tier, primary, keys[start : start + 4]) == [True] * 4
+        await asyncio.to_thread(fill, mount)
+        keep = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
+        (report,) = await asyncio.to_thread(kvtier_async.tiers.fs_admin.gc_root, mount, keep)
+        assert report.removed_bytes > 0 and report.blocks == 8
+        assert report.logs_not_compacted == 0  # compacted once the removals made room
+        assert not await asyncio.to_thread(files, mount, "*.tmp")
+        await asyncio.to_thread(os.unlink, mount / "filler")
+        tier, primary = h.make_tier(str(mount), capacity_bytes=capacity)
+        async with tier:
+            assert await h.load_and_check(tier, primary, keys[16:]) == [True] * 8  # the newest
 
 
 @pytest.mark.asyncio

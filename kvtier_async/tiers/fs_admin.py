@@ -5,7 +5,8 @@ All three are safe while processes use the root. `stat` only reads logs.
 deletion for a corrupt one; a record its writer is rewriting right now is
 recognised (its writer logs a deletion first) and skipped, not reported.
 `gc` removes and compacts only slabs no process writes at the moment: a slab
-with a live writer is left to it (its writer keeps it within capacity).
+with a live writer is left to it (its writer keeps it within capacity). It needs
+no free space: on a full disk a log it cannot rewrite stays as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .fs_layout import (
     append_to_log,
     compact_log,
     encode_entry,
+    is_out_of_space,
     latest_per_record,
     read_log,
     record_bytes_for,
@@ -50,6 +52,7 @@ class NamespaceReport:
     checked: int = 0
     corrupt: list[bytes] = field(default_factory=list)
     removed_bytes: int = 0
+    logs_not_compacted: int = 0  # by gc, for want of space
 
 
 def _namespace_dirs(root: Path) -> Iterator[tuple[Path, str, int]]:
@@ -153,7 +156,7 @@ def gc_root(root: Path, capacity_bytes: int) -> list[NamespaceReport]:
 
     A slab's age is that of the newest block it holds. Slabs a live process
     writes are counted but neither removed nor rewritten; kept slabs without a
-    writer have their logs compacted.
+    writer have their logs compacted, where there is room to write the new log.
     """
     reports = []
     for directory, name, block_nbytes in _namespace_dirs(root):
@@ -167,6 +170,7 @@ def gc_root(root: Path, capacity_bytes: int) -> list[NamespaceReport]:
             newest[slab] = max(newest[slab], seq)
             live_in[slab] += 1
         used = 0
+        not_compacted = []
         for slab in sorted(found.slabs, key=lambda s: newest[s], reverse=True):
             size = found.slabs[slab] * record_bytes + 4 * found.slabs[slab] * ENTRY
             fits = used + size <= capacity_bytes and live_in[slab] > 0
@@ -176,6 +180,13 @@ def gc_root(root: Path, capacity_bytes: int) -> list[NamespaceReport]:
                 report.slabs += 1
                 report.blocks += live_in[slab]
             report.slabs_in_use += kept == "in use"
+            if kept == "not compacted":
+                not_compacted.append(slab)
+        # The newest slabs come first, so on a full disk the removals after them made the room.
+        report.logs_not_compacted = sum(
+            _collect_slab(directory, block_nbytes, slab, remove=False) == "not compacted"
+            for slab in not_compacted
+        )
         report.bytes_on_disk = _disk_bytes(directory, block_nbytes)
         report.removed_bytes = max(0, before - report.bytes_on_disk)
         reports.append(report)
@@ -183,7 +194,10 @@ def gc_root(root: Path, capacity_bytes: int) -> list[NamespaceReport]:
 
 
 def _collect_slab(directory: Path, block_nbytes: int, slab: int, *, remove: bool) -> str:
-    """Remove a slab, or compact its log; "in use" (left alone), "kept" or "" (removed)."""
+    """Remove a slab, or compact its log.
+
+    "in use" (left alone), "kept", "not compacted" (kept; no room for a new log) or "" (removed).
+    """
     data_path = slab_path(directory, block_nbytes, slab, "kvs")
     try:
         fd = os.open(data_path, os.O_RDWR)
@@ -199,7 +213,12 @@ def _collect_slab(directory: Path, block_nbytes: int, slab: int, *, remove: bool
             log_path.unlink(missing_ok=True)
             return ""
         if log_path.exists():
-            compact_log(log_path)
+            try:
+                compact_log(log_path)
+            except OSError as exc:
+                if not is_out_of_space(exc):
+                    raise
+                return "not compacted"  # the old log stands whole
         return "kept"
     finally:
         os.close(fd)
