@@ -386,16 +386,7 @@ async def test_one_store_that_does_not_fit_whole_stores_what_fits(
 
 @pytest.mark.asyncio
 async def test_disk_full_fails_only_what_did_not_fit(tmp_path: Path) -> None:
-    mount = tmp_path / "small"
-    await asyncio.to_thread(mount.mkdir)
-    mounted = await asyncio.to_thread(
-        subprocess.run,
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-        capture_output=True,
-    )
-    if os.geteuid() != 0 or mounted.returncode:
-        pytest.skip("mounting a small tmpfs is not permitted here")
-    try:
+    async with small_tmpfs(tmp_path / "small", "2m") as mount:
         # Ask for far more than the 2 MiB mount holds: the disk fills before the capacity.
         tier, primary = h.make_tier(str(mount), capacity_bytes=64 << 20)
         async with tier:
@@ -415,8 +406,6 @@ async def test_disk_full_fails_only_what_did_not_fit(tmp_path: Path) -> None:
             for start in range(0, len(held), 16):
                 got = await h.load_and_check(tier, primary, held[start : start + 16])
                 assert got == [True] * len(got)
-    finally:
-        await asyncio.to_thread(subprocess.run, ["umount", str(mount)], check=False)
 
 
 def fill(mount: Path) -> None:
