@@ -182,7 +182,7 @@ def gc_root(root: Path, capacity_bytes: int) -> list[NamespaceReport]:
             report.slabs_in_use += kept == "in use"
             if kept == "not compacted":
                 not_compacted.append(slab)
-        # The newest slabs come first, so on a full disk the removals after them made the room.
+        # Kept slabs are the newest and come first: on a full disk the removals after them made room.
         report.logs_not_compacted = sum(
             _collect_slab(directory, block_nbytes, slab, remove=False) == "not compacted"
             for slab in not_compacted
