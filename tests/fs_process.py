@@ -64,9 +64,10 @@ async def mix(tier: FileSystemTier, primary: kt.PrimaryTier, seed: int, rounds: 
 
 
 async def main(args: argparse.Namespace) -> None:
-    kwargs = {} if args.capacity is None else {"capacity_bytes": args.capacity}
-    blocks = TASKS * BATCH if args.command == "mix" else 32
-    tier, primary = h.make_tier(args.root, num_cpu_blocks=blocks, refresh_interval_s=0, **kwargs)
+    kwargs: dict[str, int] = {} if args.capacity is None else {"capacity_bytes": args.capacity}
+    if args.command == "mix":
+        kwargs["num_cpu_blocks"] = TASKS * BATCH  # a slot range per concurrent task
+    tier, primary = h.make_tier(args.root, refresh_interval_s=0, **kwargs)
     async with tier:
         await tier.open()
         if args.command == "mix":
