@@ -408,11 +408,38 @@ async def test_disk_full_fails_only_what_did_not_fit(tmp_path: Path) -> None:
                 assert got == [True] * len(got)
 
 
-def fill(mount: Path) -> None:
-    """Take every byte left on the file system at `mount`."""
-    with contextlib.suppress(OSError), open(mount / "filler", "wb", buffering=0) as f:
+def fill(mount: Path, leave: int = 0) -> None:
+    """Take every byte left on the file system at `mount` but `leave`, in the file "filler"."""
+    filler = mount / "filler"
+    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:
         while True:
             f.write(bytes(4096))  # until ENOSPC
+    if leave:
+        os.truncate(filler, max(0, filler.stat().st_size - leave))
+
+
+@pytest.mark.asyncio
+async def test_a_tier_grows_again_once_a_full_disk_has_room(tmp_path: Path) -> None:
+    # A server that met a full disk must not stay shrunk for the rest of its life once an
+    # operator (or `kvtier fs gc`) frees space: with nothing but stores, it claims slabs again.
+    async with small_tmpfs(tmp_path / "small", "4m") as mount:
+        await asyncio.to_thread(fill, mount, leave=100_000)
+        tier, primary = h.make_tier(str(mount), capacity_bytes=2 << 20, refresh_interval_s=0)
+        async with tier:
+            batches = [[h.key_for(b * 8 + i) for i in range(8)] for b in range(40)]
+            for keys in batches[:20]:
+                await h.store_keys(tier, primary, keys)
+            full = tier.stats()
+            assert full["disk_full"] and full["out_of_space"] >= 1
+            assert full["own_blocks"] < 16  # the 100 kB left hold a handful
+            await asyncio.to_thread(os.unlink, mount / "filler")
+            for keys in batches[20:]:
+                await h.store_keys(tier, primary, keys)
+            grown = tier.stats()
+            assert not grown["disk_full"]
+            assert grown["own_blocks"] > 6 * full["own_blocks"]  # ~120 records in 2 MiB
+            newest = [k for keys in batches[30:] for k in keys]
+            assert await h.load_and_check(tier, primary, newest[:32]) == [True] * 32
 
 
 @pytest.mark.asyncio

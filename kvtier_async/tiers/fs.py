@@ -330,12 +330,32 @@ class FileSystemTier(SecondaryTierManager):
             for item in news:
                 self._apply_news(item)
             self._last_refresh = time.monotonic()
+            if self._disk_full and await self.run_blocking(self._room_for_a_slab):
+                # A long-running server must not stay shrunk once the space comes back (an
+                # operator's `kvtier fs gc`, another program's files removed).
+                log.info("fs tier %r: the disk has room again; claiming slabs", self.name)
+                self._disk_full = False
             self._can_claim = not self._disk_full  # a process may have exited, leaving its slabs
             self._may_create = len(self._own) + len(self._others) < self._max_slabs
         finally:
             # Cleared by the task itself, not by a done-callback that runs later: meanwhile a
             # caller would get the finished task back and not read the news it asked for.
             self._refreshing = None
+
+    def _room_for_a_slab(self) -> bool:
+        """Worker thread: whether the file system has room for a whole slab (not a sliver: a
+        still nearly full disk is then not claimed from on every refresh)."""
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return False
+        return free >= self._slab_records * self._disk_bytes_per_record
+
+    @property
+    def _disk_bytes_per_record(self) -> int:
+        """A record's room on a nearly full disk: the record, its log entries (reserved: four
+        per record) and their share of the compacted copy of the log that replaces it."""
+        return self.record_bytes + 6 * ENTRY
 
     def _read_news(
         self, known: dict[int, tuple[int, int]], own: set[int]
@@ -573,9 +593,7 @@ class FileSystemTier(SecondaryTierManager):
             except OSError as exc:
                 if not is_out_of_space(exc):
                     raise
-            # Each record keeps room for its log entries (reserved next: four per record) and for
-            # the compacted copy of the log that replaces it.
-            room = size + shutil.disk_usage(self.directory).free // (rb + 6 * ENTRY) * rb
+            room = size + shutil.disk_usage(self.directory).free // self._disk_bytes_per_record * rb
             target = room if room < target else size + (target - size) // 2 // rb * rb
         return os.fstat(data_fd).st_size // self.record_bytes * self.record_bytes, size < want
 
@@ -713,8 +731,8 @@ class FileSystemTier(SecondaryTierManager):
         return results
 
     def _after_out_of_space(self) -> None:
-        """The disk is full: claim nothing more; new blocks evict our least recently used ones
-        from the room our slabs already have."""
+        """The disk is full: claim nothing more until a refresh finds room for a slab again; new
+        blocks evict our least recently used ones from the room our slabs already have."""
         self.counters["out_of_space"] += 1
         self._disk_full = True
         self._can_claim = False
@@ -1070,4 +1088,5 @@ class FileSystemTier(SecondaryTierManager):
             "write_errors": self.counters["write_errors"],
             "stores_without_room": self.counters["stores_without_room"],
             "out_of_space": self.counters["out_of_space"],
+            "disk_full": self._disk_full,
         }
