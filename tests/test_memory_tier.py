@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import probe_tier  # noqa: F401 - imported up front: a first import reads files
@@ -51,3 +55,38 @@ async def test_a_failed_open_is_a_fault_not_an_exception_and_is_retried() -> Non
         assert stats["lanes"]["store"]["pending_blocks"] == 0
         assert await tier.store([make_key(0)], [0]) == [True]  # opened on the second try
         assert await tier.load([make_key(0)], [1]) == [True]
+
+
+FORGETFUL_TIER = """
+from kvtier_async.tiers.memory import MemoryTier
+
+class ForgetfulTier(MemoryTier):
+    async def contains(self, keys):
+        return [False] * len(await super().contains(keys))
+"""
+
+FORGETFUL_TESTS = """
+import pytest
+from kvtier_async.testing import TierContractTests
+
+class TestForgetful(TierContractTests):
+    @pytest.fixture
+    def tier_config(self):
+        return {"type": "ForgetfulTier", "module_path": "forgetful"}
+"""
+
+
+def test_a_failing_contract_check_shows_what_it_compared(tmp_path: Path) -> None:
+    """Run in a user's suite, the kit's asserts are rewritten: a failure names the values."""
+    (tmp_path / "forgetful.py").write_text(FORGETFUL_TIER)
+    (tmp_path / "test_forgetful.py").write_text(FORGETFUL_TESTS)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "missing_keys_are_misses"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "assert [False, False] == [False, True]" in done.stdout, done.stdout[-3000:]

@@ -1,4 +1,4 @@
-"""The tier contract as a reusable pytest suite.
+"""The tier contract as a reusable pytest suite (imported as `kvtier_async.testing`).
 
 A tier proves itself by subclassing `TierContractTests` and supplying one
 fixture, `tier_config`, that returns the tier's config dict (`{"type": ...}`):
@@ -25,11 +25,11 @@ from typing import Any, ClassVar
 import pytest
 import pytest_asyncio
 
-from .errors import ClosedError, InvalidArgumentError
-from .factory import SecondaryTierFactory
-from .primary import PrimaryTier
-from .spec import OffloadingSpec
-from .tier import SecondaryTierManager
+from ..errors import ClosedError, InvalidArgumentError
+from ..factory import SecondaryTierFactory
+from ..primary import PrimaryTier
+from ..spec import OffloadingSpec
+from ..tier import SecondaryTierManager
 
 __all__ = ["TierContractTests", "make_key"]
 

@@ -1,0 +1,14 @@
+"""The tier contract as a reusable pytest suite: subclass `TierContractTests`.
+
+The suite lives in `contract`, registered here for pytest's assertion rewriting before it is
+imported, so that a failing check in a user's test run shows the values it compared, not a
+bare AssertionError (pytest rewrites only test modules, conftest files and what is registered).
+"""
+
+import pytest
+
+pytest.register_assert_rewrite("kvtier_async.testing.contract")
+
+from .contract import TierContractTests, make_key  # noqa: E402  (after the registration)
+
+__all__ = ["TierContractTests", "make_key"]
