@@ -466,6 +466,38 @@ async def test_gc_frees_a_full_disk(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_root_removed_under_a_running_tier_is_made_again(tmp_path: Path) -> None:
+    # An operator clears a root by hand while a server runs: the tier goes on without an
+    # exception, makes the namespace directory again for every process, serves what it holds
+    # from its own (now unlinked) files, and never writes into a new process's slab that took
+    # the number of one of its removed ones (its log compaction works by path).
+    root = tmp_path / "root"
+    capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # slabs of 4 records
+    a, primary_a = h.make_tier(str(root), capacity_bytes=capacity, refresh_interval_s=0)
+    shared = [h.key_for(100 + i) for i in range(4)]
+    async with a:
+        early = [h.key_for(i) for i in range(2)]
+        assert await h.store_keys(a, primary_a, early) == [True, True]
+        await asyncio.to_thread(shutil.rmtree, root)
+        await a.refresh()
+        assert await asyncio.to_thread((a.directory / "FORMAT").exists)
+        assert await h.load_and_check(a, primary_a, early) == [True, True]
+        b, primary_b = h.make_tier(str(root), capacity_bytes=capacity)
+        async with b:
+            assert await h.store_keys(b, primary_b, shared) == [True] * 4  # a new slab 0
+            for n in range(12):  # a rewrites a record of its slab 0 until that log is compacted
+                key = h.key_for(200 + n)
+                assert await h.store_keys(a, primary_a, [key]) == [True]
+                assert await a.delete([key]) == 1
+            assert await h.load_and_check(b, primary_b, shared) == [True] * 4
+    reports = await asyncio.to_thread(kvtier_async.tiers.fs_admin.verify_root, root)
+    assert not [k for r in reports for k in r.corrupt] and sum(r.blocks for r in reports) >= 4
+    c, primary_c = h.make_tier(str(root), capacity_bytes=capacity)
+    async with c:
+        assert await h.load_and_check(c, primary_c, shared) == [True] * 4
+
+
+@pytest.mark.asyncio
 async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Path) -> None:
     capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)

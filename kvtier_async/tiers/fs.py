@@ -77,6 +77,7 @@ class _OwnSlab:
     log_entries: int
     end: int  # bytes of the data file written so far (its size)
     lock: threading.Lock = field(default_factory=threading.Lock)  # log appends and compaction
+    removed: bool = False  # its files were unlinked under us (seen by a refresh)
 
 
 @dataclass(slots=True)
@@ -324,7 +325,19 @@ class FileSystemTier(SecondaryTierManager):
     async def _refresh_task(self) -> None:
         try:
             known = {slab: (o.log_inode, o.log_offset) for slab, o in self._others.items()}
-            news, gone = await self.run_blocking(self._read_news, known, set(self._own))
+            news, gone, removed = await self.run_blocking(self._read_news, known, dict(self._own))
+            newly_removed = [slab for slab in removed if not self._own[slab].removed]
+            if newly_removed:
+                for slab in newly_removed:
+                    self._own[slab].removed = True
+                log.warning(
+                    "fs tier %r: the files of slabs %s, which this process writes, were removed "
+                    "under it; it keeps using them until it exits (their space is freed then, and "
+                    "other processes' new slabs of those numbers stay unseen here until then). "
+                    "Clear a root in use with `kvtier fs gc`, not by removing files",
+                    self.name,
+                    newly_removed,
+                )
             for slab in gone:
                 self._forget_other(slab)
             for item in news:
@@ -358,14 +371,23 @@ class FileSystemTier(SecondaryTierManager):
         return self.record_bytes + 6 * ENTRY
 
     def _read_news(
-        self, known: dict[int, tuple[int, int]], own: set[int]
-    ) -> tuple[list[_LogNews], list[int]]:
-        """Worker thread: the new entries of every slab another process writes or wrote."""
-        present = set(slab_numbers(self.directory, self.block_nbytes))
+        self, known: dict[int, tuple[int, int]], own: dict[int, _OwnSlab]
+    ) -> tuple[list[_LogNews], list[int], list[int]]:
+        """Worker thread: the new entries of every slab another process writes or wrote; those of
+        the others' slabs known before that are gone; those of our slabs whose files were removed."""
+        try:
+            present = set(slab_numbers(self.directory, self.block_nbytes))
+        except FileNotFoundError:
+            # The namespace directory was removed (a root cleared by hand): make it again, so
+            # that this process, and the others, go on storing and sharing blocks there.
+            log.warning("fs tier %r: %s was removed; making it again", self.name, self.directory)
+            prepare_directory(self.root, self.directory, self.offloading_spec.namespace)
+            present = set()
         gone = [slab for slab in known if slab not in present]
+        removed = [slab for slab, state in own.items() if os.fstat(state.data_fd).st_nlink == 0]
         news: list[_LogNews] = []
         try:
-            for slab in sorted(present - own):
+            for slab in sorted(present.difference(own)):
                 log_path = slab_path(self.directory, self.block_nbytes, slab, "idx")
                 try:
                     st = os.stat(log_path)
@@ -389,7 +411,7 @@ class FileSystemTier(SecondaryTierManager):
                 if item.data_fd is not None:
                     os.close(item.data_fd)
             raise
-        return news, gone
+        return news, gone, removed
 
     def _apply_news(self, news: _LogNews) -> None:
         if news.slab in self._own:  # we became its writer meanwhile: our view is the truth
@@ -867,6 +889,14 @@ class FileSystemTier(SecondaryTierManager):
     def _compact_log(self, slab: int, state: _OwnSlab) -> None:
         """Shrink a slab's log to its live entries (its lock held)."""
         path = slab_path(self.directory, self.block_nbytes, slab, "idx")
+        try:
+            ours = os.stat(path).st_ino == os.fstat(state.log_fd).st_ino
+        except FileNotFoundError:
+            ours = False
+        if not ours:
+            # Our log was removed under us, and the path may name another process's new slab
+            # now: never touch it. Our unlinked log, long as it gets, serves us until we exit.
+            return
         state.log_entries = compact_log(path, fsync=self.fsync)
         os.close(state.log_fd)
         state.log_fd = os.open(path, os.O_RDWR | os.O_APPEND)
