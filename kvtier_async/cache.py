@@ -32,6 +32,7 @@ from anyio.abc import AsyncResource
 from .copy_engine import CopyEngine, as_layer_list, block_widths
 from .errors import ClosedError, InvalidArgumentError
 from .factory import SecondaryTierFactory
+from .fault_log import FaultLog
 from .in_flight import CallsInFlight
 from .keys import check_block_ids, check_keys, check_lengths
 from .primary import PrimaryTier
@@ -143,6 +144,7 @@ class TieredKVCache(AsyncResource):
             self.copy_engine.close()
             raise
         self.counters: Counter[str] = Counter()
+        self._fault_log = FaultLog(log)
         self._background: set[asyncio.Task[None]] = set()
         self._store_slots = 0  # primary slots held by stores: copying, or waiting for the tiers
         # Releases of primary slots, counted, so a load that found every slot pinned can
@@ -313,7 +315,9 @@ class TieredKVCache(AsyncResource):
                     group.start_soon(tier.store, keys, slots)
         except Exception:
             self.counters["cascade_errors"] += 1
-            log.exception("writing %d blocks to the secondary tiers failed", len(keys))
+            self._fault_log.error(
+                "cascade", "writing %d blocks to the secondary tiers failed", len(keys), exc_info=True
+            )
         finally:
             self._unpin_stored(slots)
 

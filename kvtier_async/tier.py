@@ -33,6 +33,7 @@ with suppress(ImportError):
     import anyio._backends._asyncio
 
 from .errors import ClosedError, InvalidArgumentError
+from .fault_log import FaultLog
 from .in_flight import CallsInFlight
 from .keys import check_block_ids, check_keys, check_lengths
 from .latency import LatencyHistogram
@@ -82,6 +83,8 @@ class SecondaryTierManager(AsyncResource):
         self.block_stride = offloading_spec.block_stride
         self.num_blocks = offloading_spec.num_cpu_blocks
         self.counters: Counter[str] = Counter()
+        #: Faults that repeat (a server down fails every call) are logged once a minute per kind.
+        self.fault_log = FaultLog(log)
         self._scheduler: Scheduler | None = None
         self._owns_scheduler = False
         self._opened = False
@@ -139,7 +142,9 @@ class SecondaryTierManager(AsyncResource):
             try:
                 listener(keys)
             except Exception:
-                log.exception("tier %r: a removal listener failed", self.name)
+                self.fault_log.error(
+                    "listener", "tier %r: a removal listener failed", self.name, exc_info=True
+                )
 
     # -- helpers for backends ----------------------------------------------------------------
     @property
@@ -393,7 +398,7 @@ class SecondaryTierManager(AsyncResource):
             raise
         except Exception:
             self.counters["errors"] += 1
-            log.warning("tier %r: opening failed", self.name, exc_info=True)
+            self.fault_log.warning("open", "tier %r: opening failed", self.name, exc_info=True)
             return False
         return True
 
@@ -447,13 +452,15 @@ class SecondaryTierManager(AsyncResource):
         """Await a backend hook; a fault or a malformed answer becomes all-False, counted."""
         try:
             result = await call
-        except Exception:
+        except Exception as exc:
             self.counters["errors"] += 1
-            log.warning("tier %r: %s failed", self.name, what, exc_info=True)
+            self.fault_log.warning((what, type(exc)), "tier %r: %s failed", self.name, what, exc_info=True)
             return [False] * n
         if not isinstance(result, list) or len(result) != n:
             self.counters["errors"] += 1
-            log.error("tier %r: %s returned %r for %d keys", self.name, what, result, n)
+            self.fault_log.error(
+                (what, "answer"), "tier %r: %s returned %r for %d keys", self.name, what, result, n
+            )
             return [False] * n
         return [r is True for r in result]
 

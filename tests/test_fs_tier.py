@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -495,6 +496,54 @@ async def test_a_root_removed_under_a_running_tier_is_made_again(tmp_path: Path)
     c, primary_c = h.make_tier(str(root), capacity_bytes=capacity)
     async with c:
         assert await h.load_and_check(c, primary_c, shared) == [True] * 4
+
+
+@contextlib.asynccontextmanager
+async def ext4_turning_read_only(where: Path) -> AsyncIterator[tuple[Path, Path]]:
+    """A small ext4 file system mounted with errors=remount-ro, and the sysfs file that makes
+    the kernel take it read-only as on a disk error."""
+    image = where / "ext4.img"
+    await asyncio.to_thread(image.write_bytes, b"")
+    await asyncio.to_thread(os.truncate, image, 64 << 20)
+    mount = where / "ext4"
+    await asyncio.to_thread(mount.mkdir)
+    made = await asyncio.to_thread(subprocess.run, ["mkfs.ext4", "-q", str(image)], capture_output=True)
+    mounted = await asyncio.to_thread(
+        subprocess.run,
+        ["mount", "-o", "loop,errors=remount-ro", str(image), str(mount)],
+        capture_output=True,
+    )
+    if os.geteuid() != 0 or made.returncode or mounted.returncode:
+        pytest.skip("mounting an ext4 image is not permitted here")
+    try:
+        source = await asyncio.to_thread(
+            subprocess.run, ["findmnt", "-n", "-o", "SOURCE", str(mount)], capture_output=True, text=True
+        )
+        yield mount, Path("/sys/fs/ext4") / Path(source.stdout.strip()).name / "trigger_fs_error"
+    finally:
+        await asyncio.to_thread(subprocess.run, ["umount", str(mount)], check=False)
+
+
+@pytest.mark.asyncio
+async def test_a_file_system_turned_read_only_keeps_loads_and_logs_little(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # ext4 goes read-only on a disk error (errors=remount-ro). Every store fails from then on:
+    # counted each time, logged once per kind, and what the tier holds still loads exact.
+    caplog.set_level(logging.WARNING)
+    async with ext4_turning_read_only(tmp_path) as (mount, trigger):
+        tier, primary = h.make_tier(str(mount), capacity_bytes=64 * 16384)
+        async with tier:
+            held = [h.key_for(i) for i in range(8)]
+            assert await h.store_keys(tier, primary, held) == [True] * 8
+            await asyncio.to_thread(trigger.write_text, "kvtier test\n")
+            for n in range(100):
+                assert await h.store_keys(tier, primary, [h.key_for(1000 + n)]) == [False]
+            assert await h.load_and_check(tier, primary, held) == [True] * 8
+            stats = tier.stats()
+    assert stats["write_errors"] >= 100
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert 1 <= len(logged) <= 4, logged
 
 
 @pytest.mark.asyncio

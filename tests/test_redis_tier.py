@@ -127,6 +127,23 @@ async def test_credentials_never_reach_logs_or_stats(caplog: pytest.LogCaptureFi
 
 
 @pytest.mark.asyncio
+async def test_a_server_down_is_counted_every_time_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    # Every call fails while the server is down: a traceback each time flooded the log (12 MB
+    # in 3 s). Each kind of fault is logged once a minute; the counters count every one.
+    caplog.set_level(logging.WARNING)
+    tier, _primary = scenarios.make_tier(config(f"redis://127.0.0.1:{servers.free_port()}/0", timeout_s=0.3))
+    async with tier:
+        for n in range(100):
+            assert await tier.store([make_key(n)], [0]) == [False]
+            assert await tier.load([make_key(n)], [1]) == [False]
+            assert await tier.lookup([make_key(n)]) == 0
+        stats = tier.stats()
+    assert stats["errors"] >= 300
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert 1 <= len(logged) <= 4, logged  # one per kind: opening, or each hook that failed
+
+
+@pytest.mark.asyncio
 async def test_a_unix_socket_url(tmp_path: Path) -> None:
     socket_path = tmp_path / "redis.sock"
     server = servers.RedisServer(tmp_path / "redis", None, "--unixsocket", str(socket_path))

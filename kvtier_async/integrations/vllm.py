@@ -376,7 +376,9 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if task.cancelled():
             result = JobResult(job_id=job_id, success=False)
         elif (error := task.exception()) is not None:
-            log.warning("kvtier vLLM tier: job %r failed", job_id, exc_info=error)
+            self._tier.fault_log.warning(
+                ("job", type(error)), "kvtier vLLM tier: job %r failed", job_id, exc_info=error
+            )
             result = JobResult(job_id=job_id, success=False)
         else:
             result = task.result()

@@ -530,7 +530,7 @@ class FileSystemTier(SecondaryTierManager):
             if isinstance(exc, asyncio.CancelledError):
                 raise
             self.counters["write_errors"] += 1
-            log.warning("fs tier %r: claiming a slab failed: %s", self.name, exc)
+            self.fault_log.warning("claim", "fs tier %r: claiming a slab failed: %s", self.name, exc)
         finally:
             # Cleared by the task itself, not by a done-callback that runs later: meanwhile a
             # store that found no free record got the finished task back from _start_claim,
@@ -861,9 +861,11 @@ class FileSystemTier(SecondaryTierManager):
                         status[later] = "nospace"  # records are in file order: none after fits
                     break
                 status[n] = code
-                log.warning("fs tier %r: writing a record failed: %s", self.name, exc)
+                self.fault_log.warning("write", "fs tier %r: writing a record failed: %s", self.name, exc)
         if not done and not is_out_of_space(first_error):
-            log.warning("fs tier %r: writing %d records failed: %s", self.name, len(ns), first_error)
+            self.fault_log.warning(
+                "write", "fs tier %r: writing %d records failed: %s", self.name, len(ns), first_error
+            )
         return done
 
     def _log(self, slab: int, entries: bytes, count: int) -> None:
@@ -884,7 +886,9 @@ class FileSystemTier(SecondaryTierManager):
                 try:
                     self._compact_log(slab, state)
                 except OSError as exc:  # the entries are in: a long log only costs replay time
-                    log.warning("fs tier %r: compacting a log failed: %s", self.name, exc)
+                    self.fault_log.warning(
+                        "compact", "fs tier %r: compacting a log failed: %s", self.name, exc
+                    )
 
     def _compact_log(self, slab: int, state: _OwnSlab) -> None:
         """Shrink a slab's log to its live entries (its lock held)."""
@@ -1016,7 +1020,9 @@ class FileSystemTier(SecondaryTierManager):
                 iov, offset = self._iov([jobs[n][3] for n in run]), first * self.record_bytes
                 done = self._stager.preadv(fd, iov, offset) if self.staging else os.preadv(fd, iov, offset)
             except OSError as exc:
-                log.warning("fs tier %r: reading %d records failed: %s", self.name, len(run), exc)
+                self.fault_log.warning(
+                    "read", "fs tier %r: reading %d records failed: %s", self.name, len(run), exc
+                )
                 continue
             for k, n in enumerate(run):
                 got[n] = max(0, min(self.record_bytes, done - k * self.record_bytes))
@@ -1063,7 +1069,7 @@ class FileSystemTier(SecondaryTierManager):
                     continue
                 append_to_log(slab_path(self.directory, self.block_nbytes, slab, "idx"), entry)
             except OSError as exc:
-                log.warning("fs tier %r: logging a deletion failed: %s", self.name, exc)
+                self.fault_log.warning("delete", "fs tier %r: logging a deletion failed: %s", self.name, exc)
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited
