@@ -14,8 +14,8 @@ anyway, when the registry is scraped.
 
 Per tier (labels `tier`, `type`, `namespace`): `kvtier_tier_<counter>_total` for
 stored / failed / dropped / deduplicated blocks, stored and loaded bytes, load
-hits and misses, errors, and where the tier has them corrupt blocks and
-evictions; `kvtier_tier_operation_seconds` (label `op`: store / load);
+hits and misses, errors, calls skipped while the fault breaker was open, and where the tier
+has them corrupt blocks and evictions; `kvtier_tier_operation_seconds` (label `op`: store / load);
 `kvtier_lane_inflight` and `kvtier_lane_queued` (label `lane`). Per cache
 (label `namespace`): `kvtier_cache_<counter>_total` and the primary tier's
 used / pinned / capacity blocks as gauges.
@@ -46,6 +46,7 @@ TIER_COUNTERS = (
     "load_misses",
     "loaded_bytes",
     "errors",
+    "calls_skipped_while_down",
     "corrupt_blocks",
     "evictions",
 )

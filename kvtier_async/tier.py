@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import inspect
 import logging
 import time
 from collections import Counter
@@ -33,6 +34,7 @@ with suppress(ImportError):
     import anyio._backends._asyncio
 
 from .errors import ClosedError, InvalidArgumentError
+from .fault_breaker import FaultBreaker
 from .fault_log import FaultLog
 from .in_flight import CallsInFlight
 from .keys import check_block_ids, check_keys, check_lengths
@@ -85,6 +87,8 @@ class SecondaryTierManager(AsyncResource):
         self.counters: Counter[str] = Counter()
         #: Faults that repeat (a server down fails every call) are logged once a minute per kind.
         self.fault_log = FaultLog(log)
+        #: After faults in a row, calls fail at once for a while: a dead server costs no timeouts.
+        self.fault_breaker = FaultBreaker()
         self._scheduler: Scheduler | None = None
         self._owns_scheduler = False
         self._opened = False
@@ -360,8 +364,10 @@ class SecondaryTierManager(AsyncResource):
             "loaded_bytes",
             "lookup_calls",
             "errors",
+            "calls_skipped_while_down",
         ):
             out[name] = self.counters[name]
+        out["fault_breaker"] = self.fault_breaker.state()
         for direction, seconds in self.busy_seconds.items():
             out[f"{direction}_busy_seconds"] = round(seconds, 6)
         if self._scheduler is not None:
@@ -390,16 +396,29 @@ class SecondaryTierManager(AsyncResource):
         """Open the backend once; False (counted, logged) if opening failed this time.
 
         A failed open is a backend fault like any other: the operation reports
-        misses or failed stores, and the next operation tries to open again.
+        misses or failed stores, and the next operation tries to open again (once the
+        fault breaker lets it).
         """
+        if self._opened:
+            return True
+        entered = self.fault_breaker.enter()
+        if entered is None:
+            self.counters["calls_skipped_while_down"] += 1
+            return False
         try:
             await self._open_once()
         except asyncio.CancelledError:
+            self.fault_breaker.left(entered)
             raise
         except Exception:
             self.counters["errors"] += 1
+            self.fault_breaker.failed(entered)
             self.fault_log.warning("open", "tier %r: opening failed", self.name, exc_info=True)
             return False
+        except BaseException:
+            self.fault_breaker.left(entered)
+            raise
+        self.fault_breaker.succeeded()
         return True
 
     async def _open_once(self) -> None:
@@ -449,19 +468,32 @@ class SecondaryTierManager(AsyncResource):
                         self.busy_seconds[direction] += now - busy[1]
 
     async def _guarded(self, what: str, call: Awaitable[list[bool]], n: int) -> list[bool]:
-        """Await a backend hook; a fault or a malformed answer becomes all-False, counted."""
+        """Await a backend hook; a fault or a malformed answer becomes all-False, counted. While
+        the fault breaker is open the hook is not called at all (all-False, counted)."""
+        entered = self.fault_breaker.enter()
+        if entered is None:
+            if inspect.iscoroutine(call):
+                call.close()  # never started
+            self.counters["calls_skipped_while_down"] += 1
+            return [False] * n
         try:
             result = await call
         except Exception as exc:
             self.counters["errors"] += 1
+            self.fault_breaker.failed(entered)
             self.fault_log.warning((what, type(exc)), "tier %r: %s failed", self.name, what, exc_info=True)
             return [False] * n
+        except BaseException:
+            self.fault_breaker.left(entered)
+            raise
         if not isinstance(result, list) or len(result) != n:
             self.counters["errors"] += 1
+            self.fault_breaker.failed(entered)
             self.fault_log.error(
                 (what, "answer"), "tier %r: %s returned %r for %d keys", self.name, what, result, n
             )
             return [False] * n
+        self.fault_breaker.succeeded()
         return [r is True for r in result]
 
     async def _run_batches(

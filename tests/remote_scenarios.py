@@ -33,12 +33,25 @@ def fill(primary: kt.PrimaryTier, slots: list[int], seed: int) -> list[bytes]:
     return out
 
 
+class Clock:
+    """A clock for a tier's fault breaker that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def killed_and_restarted(
     tier_config: dict[str, Any], stop: Callable[[], Awaitable[None]], start: Callable[[], Awaitable[None]]
 ) -> None:
     """The server dies during a stream of stores and loads, then comes back empty on the same port:
-    nothing raises, the calls in between fail or miss (counted), and the same tier object works again."""
+    nothing raises, the calls in between fail or miss (counted), soon without calling the server
+    (the fault breaker), and once the breaker's cool-down is over the same tier object works again."""
     tier, primary = make_tier(tier_config)
+    clock = Clock()
+    tier.fault_breaker.clock = clock
     async with tier:
         keys = [make_key(i, b"k") for i in range(8)]
         payloads = fill(primary, list(range(8)), seed=2)
@@ -55,12 +68,37 @@ async def killed_and_restarted(
         await asyncio.wait_for(stream, 120)  # a hang guard only; every call is bounded by timeout_s
         assert await tier.store([make_key(999)], [0]) == [False]
         assert await tier.load(keys, list(range(8, 16))) == [False] * 8
-        assert tier.stats()["errors"] > 0
+        stats = tier.stats()
+        assert stats["errors"] > 0 and stats["calls_skipped_while_down"] > 0
+        assert stats["fault_breaker"] == "open"
         await start()  # the same port, and empty: a restarted server may have lost everything
+        clock.now += 60.0  # past the longest cool-down: the next call is the probe
         assert await tier.load(keys[:1], [8]) == [False]
+        assert tier.stats()["fault_breaker"] == "closed"
         assert await tier.store(keys, list(range(8))) == [True] * 8
         assert await tier.load(keys, list(range(8, 16))) == [True] * 8
         assert [bytes(primary.slot_view(s)) for s in range(8, 16)] == payloads
+
+
+async def a_dead_server_is_soon_not_called(tier_config: dict[str, Any]) -> None:
+    """Against a server that is down or stuck, each call costs a fault (a timeout, or retries)
+    until the breaker opens; then calls fail at once, and after a cool-down one probe goes."""
+    tier, _primary = make_tier(tier_config)
+    clock = Clock()
+    tier.fault_breaker.clock = clock
+    streak = tier.fault_breaker.streak
+    async with tier:
+        for n in range(30):
+            assert await tier.load([make_key(n)], [0]) == [False]
+        stats = tier.stats()
+        assert (stats["errors"], stats["calls_skipped_while_down"]) == (streak, 30 - streak)
+        assert stats["fault_breaker"] == "open"
+        clock.now += 60.0
+        loads = [tier.load([make_key(n)], [n % 8]) for n in range(10)]
+        assert await asyncio.gather(*loads) == [[False]] * 10
+        stats = tier.stats()
+        assert (stats["errors"], stats["calls_skipped_while_down"]) == (streak + 1, 30 - streak + 9)
+        assert stats["fault_breaker"] == "open"  # the probe failed: cooling down again
 
 
 async def unreachable_is_a_counted_miss(tier_config: dict[str, Any]) -> dict[str, Any]:

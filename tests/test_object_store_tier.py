@@ -88,6 +88,13 @@ async def test_a_stuck_server_is_a_miss_not_a_hang() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_stuck_server_is_soon_not_called() -> None:
+    async with servers.Blackhole() as stuck:
+        endpoint = f"http://127.0.0.1:{stuck.port}"
+        await scenarios.a_dead_server_is_soon_not_called(config(endpoint, timeout_s=0.3, max_retries=1))
+
+
+@pytest.mark.asyncio
 async def test_credentials_never_reach_logs_or_stats(caplog: pytest.LogCaptureFixture) -> None:
     endpoint = f"http://127.0.0.1:{servers.free_port()}"  # nothing listens there
     caplog.set_level(logging.DEBUG)
