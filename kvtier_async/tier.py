@@ -407,15 +407,12 @@ class SecondaryTierManager(AsyncResource):
             return False
         try:
             await self._open_once()
-        except asyncio.CancelledError:
-            self.fault_breaker.left(entered)
-            raise
         except Exception:
             self.counters["errors"] += 1
             self.fault_breaker.failed(entered)
             self.fault_log.warning("open", "tier %r: opening failed", self.name, exc_info=True)
             return False
-        except BaseException:
+        except BaseException:  # cancelled: no answer
             self.fault_breaker.left(entered)
             raise
         self.fault_breaker.succeeded()
@@ -483,7 +480,7 @@ class SecondaryTierManager(AsyncResource):
             self.fault_breaker.failed(entered)
             self.fault_log.warning((what, type(exc)), "tier %r: %s failed", self.name, what, exc_info=True)
             return [False] * n
-        except BaseException:
+        except BaseException:  # cancelled: no answer
             self.fault_breaker.left(entered)
             raise
         if not isinstance(result, list) or len(result) != n:
