@@ -19,6 +19,7 @@ import asyncio
 import inspect
 import logging
 import time
+import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -479,6 +480,10 @@ class SecondaryTierManager(AsyncResource):
             self.counters["errors"] += 1
             self.fault_breaker.failed(entered)
             self.fault_log.warning((what, type(exc)), "tier %r: %s failed", self.name, what, exc_info=True)
+            # The error may outlive this call (redis-py's dead connection keeps the one it died of)
+            # and its traceback holds the hook's frames, whose locals are views of the primary
+            # memory: vLLM could then not unmap its /dev/shm region at shutdown. Drop them.
+            traceback.clear_frames(exc.__traceback__)
             return [False] * n
         except BaseException:  # cancelled: no answer
             self.fault_breaker.left(entered)

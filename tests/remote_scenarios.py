@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable
@@ -78,6 +79,32 @@ async def killed_and_restarted(
         assert await tier.store(keys, list(range(8))) == [True] * 8
         assert await tier.load(keys, list(range(8, 16))) == [True] * 8
         assert [bytes(primary.slot_view(s)) for s in range(8, 16)] == payloads
+
+
+async def the_primary_memory_is_free_after_the_server_died(
+    tier_config: dict[str, Any], stop: Callable[[], Awaitable[None]]
+) -> None:
+    """vLLM unmaps its /dev/shm region at shutdown only if nothing exports it any more: the
+    errors of a server that died under our calls must not keep views of that memory alive."""
+    spec = kt.OffloadingSpec(block_nbytes=8192 + 100, num_cpu_blocks=16, namespace="remote-tests")
+    region = mmap.mmap(-1, spec.primary_nbytes)
+    view = memoryview(region)
+    tier = kt.SecondaryTierFactory.create_secondary_tier(tier_config, view, spec)
+    keys = [make_key(i, b"m") for i in range(8)]
+    async with tier:
+        assert await tier.store(keys, list(range(8))) == [True] * 8
+
+        async def traffic(n: int) -> None:
+            for i in range(n):
+                await tier.store([make_key(100 + i, b"m")], [i % 8])
+                await tier.load(keys, list(range(8, 16)))
+
+        streams = asyncio.gather(*(traffic(20) for _ in range(4)))
+        await asyncio.sleep(0)  # under way
+        await stop()
+        await asyncio.wait_for(streams, 120)  # a hang guard only
+    view.release()
+    region.close()  # BufferError while anything still exports the memory
 
 
 async def a_dead_server_is_soon_not_called(tier_config: dict[str, Any]) -> None:

@@ -81,6 +81,19 @@ async def test_server_killed_and_restarted_same_tier_object() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_primary_memory_is_free_after_the_server_died() -> None:
+    server = servers.S3Server()
+    await asyncio.to_thread(server.start)
+    await asyncio.to_thread(server.create_bucket, BUCKET)
+    try:
+        await scenarios.the_primary_memory_is_free_after_the_server_died(
+            config(server.endpoint, timeout_s=0.5, max_retries=2), stop=lambda: asyncio.to_thread(server.stop)
+        )
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+@pytest.mark.asyncio
 async def test_a_stuck_server_is_a_miss_not_a_hang() -> None:
     async with servers.Blackhole() as stuck:
         endpoint = f"http://127.0.0.1:{stuck.port}"

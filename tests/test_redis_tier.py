@@ -90,6 +90,18 @@ async def test_server_killed_and_restarted_same_tier_object(tmp_path: Path) -> N
 
 
 @pytest.mark.asyncio
+async def test_the_primary_memory_is_free_after_the_server_died(tmp_path: Path) -> None:
+    server = servers.RedisServer(tmp_path / "redis")
+    await asyncio.to_thread(server.start)
+    try:
+        await scenarios.the_primary_memory_is_free_after_the_server_died(
+            config(server.url, timeout_s=0.5), stop=lambda: asyncio.to_thread(server.stop)
+        )
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+@pytest.mark.asyncio
 async def test_a_server_that_is_down_from_the_start_is_a_miss_then_recovers(tmp_path: Path) -> None:
     server = servers.RedisServer(tmp_path / "redis")  # not started yet
     tier, primary = scenarios.make_tier(config(server.url, timeout_s=0.5))
