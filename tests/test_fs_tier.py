@@ -498,6 +498,36 @@ async def test_a_root_removed_under_a_running_tier_is_made_again(tmp_path: Path)
         assert await h.load_and_check(c, primary_c, shared) == [True] * 4
 
 
+@pytest.mark.asyncio
+async def test_a_log_removed_as_it_is_compacted_leaves_the_writer_a_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An rm landing between compaction's rename and the writer reopening the log by path left
+    # the writer holding a closed descriptor (EBADF at close, or appends to whatever file got
+    # that number next). The writer now keeps the descriptor of the file it renamed in place.
+    capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # slabs of 4 records
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    renamed = threading.Event()
+    real_replace = os.replace
+
+    def replace_then_remove(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        if str(dst).endswith(".idx"):
+            os.unlink(dst)  # the operator's rm, just then
+            renamed.set()
+
+    monkeypatch.setattr(kvtier_async.tiers.fs_layout.os, "replace", replace_then_remove)
+    async with tier:
+        for n in range(12):  # one record rewritten until its slab's log is compacted
+            key = h.key_for(n)
+            assert await h.store_keys(tier, primary, [key]) == [True]
+            assert await tier.delete([key]) == 1
+        assert renamed.is_set()
+        assert await h.store_keys(tier, primary, [h.key_for(100)]) == [True]
+        assert await h.load_and_check(tier, primary, [h.key_for(100)]) == [True]
+        assert tier.stats()["write_errors"] == 0
+
+
 @contextlib.asynccontextmanager
 async def ext4_turning_read_only(where: Path) -> AsyncIterator[tuple[Path, Path]]:
     """A small ext4 file system mounted with errors=remount-ro, and the sysfs file that makes

@@ -37,7 +37,6 @@ from .fs_layout import (
     Entry,
     allocate,
     append_to_log,
-    compact_log,
     encode_entry,
     is_out_of_space,
     latest_per_record,
@@ -46,6 +45,7 @@ from .fs_layout import (
     read_log,
     record_bytes_for,
     reserve_log_room,
+    rewrite_log,
     slab_numbers,
     slab_path,
     try_flock,
@@ -901,9 +901,9 @@ class FileSystemTier(SecondaryTierManager):
             # Our log was removed under us, and the path may name another process's new slab
             # now: never touch it. Our unlinked log, long as it gets, serves us until we exit.
             return
-        state.log_entries = compact_log(path, fsync=self.fsync)
+        entries, fd = rewrite_log(path, fsync=self.fsync)
         os.close(state.log_fd)
-        state.log_fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        state.log_fd, state.log_entries = fd, entries
         reserve_log_room(state.log_fd, os.fstat(state.log_fd).st_size + 4 * state.records * ENTRY)
 
     @staticmethod

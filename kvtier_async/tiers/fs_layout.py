@@ -65,6 +65,7 @@ __all__ = [
     "read_log",
     "record_bytes_for",
     "replay",
+    "rewrite_log",
 ]
 
 log = logging.getLogger(__name__)
@@ -212,24 +213,34 @@ def compact_log(path: Path, *, fsync: bool = False) -> int:
     either log whole; readers following the log see a new inode and read it
     again from the start. The caller is the slab's one writer.
     """
+    entries, fd = rewrite_log(path, fsync=fsync)
+    os.close(fd)
+    return entries
+
+
+def rewrite_log(path: Path, *, fsync: bool = False) -> tuple[int, int]:
+    """`compact_log`, returning also a descriptor open for appending to the new log (the caller
+    closes it): a writer keeps that one rather than open the path again, which by then may
+    name nothing (a root removed by hand) or another file, and would leave it without a log."""
     entries, _, _ = read_log(path)
     keep = [e for e in latest_per_record(entries).values() if not e.deleted]
     tmp = path.with_name(path.name + ".tmp")
     data = b"".join(encode_entry(e.seq, e.record, e.key, e.checksum) for e in keep)
     try:
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
+        fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_APPEND | os.O_TRUNC, FILE_MODE)
         try:
             if os.write(fd, data) != len(data):
                 raise OSError(errno.ENOSPC, "short write of a compacted log")
             if fsync:
                 os.fsync(fd)
-        finally:
+            os.replace(tmp, path)
+        except BaseException:
             os.close(fd)
-        os.replace(tmp, path)
+            raise
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk: the old log stands
         raise
-    return len(keep)
+    return len(keep), fd
 
 
 def append_to_log(path: Path, data: bytes) -> None:
