@@ -140,6 +140,18 @@ class Engine:
             self.manager.complete_store(out.keys_to_store, ctx)
         return list(out.keys_to_store)
 
+    def store_what_fits(self, ctx: ReqContext, payloads: dict[OffloadKey, bytes]) -> int:
+        """`store`, where the primary tier may take only some keys, or none (no room): how many."""
+        with self.manager.lock:
+            out = self.manager.prepare_store(list(payloads), ctx)
+            if out is None or not out.keys_to_store:
+                return 0
+            with self._rows() as flat:
+                for key, row in zip(out.keys_to_store, out.store_spec.chunk_ids.tolist()):
+                    flat[row * self.row_bytes : (row + 1) * self.row_bytes] = payloads[key]
+            self.manager.complete_store(out.keys_to_store, ctx)
+        return len(out.keys_to_store)
+
     def offload(self, payloads: dict[OffloadKey, bytes]) -> None:
         """A request that computed these rows: stored, finished, and the cascade to the tiers landed."""
         ctx = self.new_request()
