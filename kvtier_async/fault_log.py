@@ -54,6 +54,10 @@ class FaultLog:
                 return
             self._logged_at[kind] = now
             unlogged = self._unlogged.pop(kind, 0)
+        # An error is passed on as its text: a handler that keeps records (pytest's caplog, a
+        # MemoryHandler) would otherwise keep its traceback, and through the frames' callers the
+        # views of the primary memory they held, which vLLM must be able to unmap.
+        args = tuple(str(arg) if isinstance(arg, BaseException) else arg for arg in args)
         if unlogged and last is not None:
             msg += " (and %d more like it in the last %.0f s, not logged)"
             args = (*args, unlogged, now - last)

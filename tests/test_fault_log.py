@@ -49,3 +49,17 @@ def test_the_traceback_goes_with_the_logged_record(caplog: pytest.LogCaptureFixt
         faults.warning("open", "opening failed", exc_info=True)
     (record,) = caplog.records
     assert record.exc_info is not None and record.exc_info[0] is ConnectionRefusedError
+
+
+def test_a_record_keeps_the_text_of_an_error_not_the_error(caplog: pytest.LogCaptureFixture) -> None:
+    # A handler that keeps records (caplog here, a MemoryHandler) would otherwise keep the
+    # error's traceback and every frame's locals behind it: views of memory vLLM must unmap.
+    caplog.set_level(logging.WARNING)
+    faults = FaultLog(logging.getLogger("faults"), clock=Clock())
+    try:
+        raise FileNotFoundError(2, "No such file or directory")
+    except FileNotFoundError as exc:
+        faults.warning("compact", "compacting a log failed: %s", exc)
+    (record,) = caplog.records
+    assert record.getMessage() == "compacting a log failed: [Errno 2] No such file or directory"
+    assert not any(isinstance(arg, BaseException) for arg in record.args or ())
