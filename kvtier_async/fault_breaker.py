@@ -42,16 +42,11 @@ class FaultBreaker:
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
         self.clock = clock
-        self._lock = threading.Lock()  # a sync adapter may report from another thread
+        self._lock = threading.Lock()  # `stats()` may be read from another thread
         self._faults = 0  # in a row, since the last success
         self._open_until: float | None = None  # None: closed
         self._next_cooldown_s = cooldown_s
         self._probing = False
-
-    def cooling(self) -> bool:
-        """Whether the breaker is open and its cool-down has not run out (nothing may go)."""
-        with self._lock:
-            return self._open_until is not None and self.clock() < self._open_until
 
     def enter(self) -> Pass | None:
         """Whether a call may go to the backend now: None if not; `PROBE` once after a cool-down.
@@ -89,7 +84,7 @@ class FaultBreaker:
                 self._probing = False
 
     def state(self) -> str:
-        """ "closed", "open" (cooling down) or "probing"."""
+        """Its state for `stats()`: "closed", "open" (cooling down) or "probing"."""
         with self._lock:
             if self._open_until is None:
                 return "closed"
