@@ -98,8 +98,23 @@ def run_requests(
     return counts
 
 
-def finish(engines: list[Engine], counts: dict[str, int]) -> None:
-    warnings = [w for engine in engines for w in engine.shutdown()]
+def check_streams(
+    configs: list[dict[str, Any]],
+    seed: int,
+    *,
+    engines: int = 1,
+    fault: Callable[[int], None] = lambda step: None,
+) -> None:
+    """The streams on `engines` engines of `configs`, each shut down whatever happens (an engine
+    left running leaves its /dev/shm region behind); then no wrong byte, and a clean shutdown."""
+    started: list[Engine] = []
+    warnings: list[str] = []
+    try:
+        started += [Engine(make_manager(configs)) for _ in range(engines)]
+        counts = run_requests(started, seed, fault)
+    finally:
+        for engine in started:
+            warnings += engine.shutdown()
     assert counts["wrong"] == 0, counts
     assert counts["loaded"] > 0 and counts["stored"] > 0, counts
     assert warnings == []  # e.g. "Keeping ... mapped: buffers are still exported"
@@ -121,26 +136,21 @@ def test_random_requests(tiers: str, seed: int, tmp_path: Path) -> None:
         configs = [memory, *fs_tier(tmp_path)]
     else:  # the control: vLLM's own
         configs = [{"type": "fs", "root_dir": str(tmp_path)}]
-    engines = [Engine(make_manager(configs))]
-    finish(engines, run_requests(engines, seed))
+    check_streams(configs, seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_three_engines_sharing_one_root(seed: int, tmp_path: Path) -> None:
-    configs = fs_tier(tmp_path, refresh_interval_s=0)
-    engines = [Engine(make_manager(configs)) for _ in range(3)]
-    finish(engines, run_requests(engines, seed))
+    check_streams(fs_tier(tmp_path, refresh_interval_s=0), seed, engines=3)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_fs_root_removed_by_hand_twice(seed: int, tmp_path: Path) -> None:
-    engines = [Engine(make_manager(fs_tier(tmp_path, refresh_interval_s=0)))]
-
     def fault(step: int) -> None:
         if step in (STEPS // 3, 2 * STEPS // 3):
             shutil.rmtree(tmp_path, ignore_errors=True)  # the tier may make files meanwhile, as with rm -rf
 
-    finish(engines, run_requests(engines, seed, fault))
+    check_streams(fs_tier(tmp_path, refresh_interval_s=0), seed, fault=fault)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -149,7 +159,6 @@ def test_the_redis_server_killed_and_restarted(seed: int, tmp_path: Path) -> Non
     server.start()
     try:
         tier = {"type": "redis", "url": server.url, "prefix": uuid.uuid4().hex, "timeout_s": 0.3}
-        engines = [Engine(make_manager([{**ADAPTER, "tier": tier}]))]
 
         def fault(step: int) -> None:
             if step == STEPS // 3:
@@ -157,6 +166,6 @@ def test_the_redis_server_killed_and_restarted(seed: int, tmp_path: Path) -> Non
             elif step == 2 * STEPS // 3:
                 server.start()
 
-        finish(engines, run_requests(engines, seed, fault))
+        check_streams([{**ADAPTER, "tier": tier}], seed, fault=fault)
     finally:
         server.stop()
