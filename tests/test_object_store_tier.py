@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,36 +62,38 @@ async def test_an_object_changed_out_of_band_is_a_counted_miss(s3_server: server
         assert tier.stats()["corrupt_blocks"] == 2
 
 
-@pytest.mark.asyncio
-async def test_server_killed_and_restarted_same_tier_object() -> None:
+def start_with_bucket(server: servers.S3Server) -> None:
+    """Start (or restart: a moto server comes back empty) and make the bucket."""
+    server.start()
+    server.create_bucket(BUCKET)
+
+
+@pytest.fixture
+def own_server() -> Iterator[servers.S3Server]:
+    """An S3 server of the test's own, with the bucket, which it may stop and start again."""
     server = servers.S3Server()
-
-    async def start() -> None:
-        await asyncio.to_thread(server.start)
-        await asyncio.to_thread(server.create_bucket, BUCKET)
-
-    await start()
+    start_with_bucket(server)
     try:
-        await scenarios.killed_and_restarted(
-            config(server.endpoint, timeout_s=0.5, max_retries=2),
-            stop=lambda: asyncio.to_thread(server.stop),
-            start=start,
-        )
+        yield server
     finally:
-        await asyncio.to_thread(server.stop)
+        server.stop()
 
 
 @pytest.mark.asyncio
-async def test_the_primary_memory_is_free_after_the_server_died() -> None:
-    server = servers.S3Server()
-    await asyncio.to_thread(server.start)
-    await asyncio.to_thread(server.create_bucket, BUCKET)
-    try:
-        await scenarios.the_primary_memory_is_free_after_the_server_died(
-            config(server.endpoint, timeout_s=0.5, max_retries=2), stop=lambda: asyncio.to_thread(server.stop)
-        )
-    finally:
-        await asyncio.to_thread(server.stop)
+async def test_server_killed_and_restarted_same_tier_object(own_server: servers.S3Server) -> None:
+    await scenarios.killed_and_restarted(
+        config(own_server.endpoint, timeout_s=0.5, max_retries=2),
+        stop=lambda: asyncio.to_thread(own_server.stop),
+        start=lambda: asyncio.to_thread(start_with_bucket, own_server),
+    )
+
+
+@pytest.mark.asyncio
+async def test_the_primary_memory_is_free_after_the_server_died(own_server: servers.S3Server) -> None:
+    await scenarios.the_primary_memory_is_free_after_the_server_died(
+        config(own_server.endpoint, timeout_s=0.5, max_retries=2),
+        stop=lambda: asyncio.to_thread(own_server.stop),
+    )
 
 
 @pytest.mark.asyncio

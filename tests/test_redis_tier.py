@@ -75,30 +75,31 @@ async def test_a_value_changed_out_of_band_is_a_counted_miss(redis_server: serve
         assert tier.stats()["corrupt_blocks"] == 2
 
 
-@pytest.mark.asyncio
-async def test_server_killed_and_restarted_same_tier_object(tmp_path: Path) -> None:
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[servers.RedisServer]:
+    """A Redis server of the test's own, which it may stop and start again."""
     server = servers.RedisServer(tmp_path / "redis")
-    await asyncio.to_thread(server.start)
+    server.start()
     try:
-        await scenarios.killed_and_restarted(
-            config(server.url, timeout_s=0.5),
-            stop=lambda: asyncio.to_thread(server.stop),
-            start=lambda: asyncio.to_thread(server.start),
-        )
+        yield server
     finally:
-        await asyncio.to_thread(server.stop)
+        server.stop()
 
 
 @pytest.mark.asyncio
-async def test_the_primary_memory_is_free_after_the_server_died(tmp_path: Path) -> None:
-    server = servers.RedisServer(tmp_path / "redis")
-    await asyncio.to_thread(server.start)
-    try:
-        await scenarios.the_primary_memory_is_free_after_the_server_died(
-            config(server.url, timeout_s=0.5), stop=lambda: asyncio.to_thread(server.stop)
-        )
-    finally:
-        await asyncio.to_thread(server.stop)
+async def test_server_killed_and_restarted_same_tier_object(own_server: servers.RedisServer) -> None:
+    await scenarios.killed_and_restarted(
+        config(own_server.url, timeout_s=0.5),
+        stop=lambda: asyncio.to_thread(own_server.stop),
+        start=lambda: asyncio.to_thread(own_server.start),
+    )
+
+
+@pytest.mark.asyncio
+async def test_the_primary_memory_is_free_after_the_server_died(own_server: servers.RedisServer) -> None:
+    await scenarios.the_primary_memory_is_free_after_the_server_died(
+        config(own_server.url, timeout_s=0.5), stop=lambda: asyncio.to_thread(own_server.stop)
+    )
 
 
 @pytest.mark.asyncio
