@@ -11,6 +11,7 @@ dropped at once rather than queued without end.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from .spec import OffloadingSpec, SchedulerLimits
 from .workers import WorkerThreads, wait_uncancellable
 
-__all__ = ["Lane", "Priority", "Scheduler", "wait_uncancellable"]
+__all__ = ["Lane", "Priority", "Scheduler", "current_priority", "wait_uncancellable"]
 
 T = TypeVar("T")
 Direction = Literal["load", "store"]
@@ -33,6 +34,13 @@ class Priority(IntEnum):
     LOAD = 0
     PREFETCH = 1
     STORE = 2
+
+
+#: The priority of the tier call running in this task, set by `SecondaryTierManager` around its
+#: backend hooks, so that a limit deep inside a backend (`ServerGate`) serves loads first too.
+current_priority: contextvars.ContextVar[Priority] = contextvars.ContextVar(
+    "kvtier_priority", default=Priority.LOAD
+)
 
 
 class Lane:
