@@ -19,6 +19,11 @@ A stored block is a 4096-byte header followed by the payload:
 The payload starts 4096 bytes in, page-aligned within the value. A block is good only if the header
 checksum, magic, version, namespace, key and length all match what the reader
 expects and the payload hashes to the stored checksum.
+
+A tier may send a value as pieces (the header, then the payload straight from the primary
+tier: `encode_header`) and read it back as pieces (ranges of it: `decode_pieces`); the bytes
+stored are the same. Every copy and checksum here lets other threads run meanwhile
+(`buffers`), so the event loop does not wait for a worker thread's MiB copy.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 
 import xxhash
 
+from .buffers import copy_into, new_buffer
 from .keys import MAX_KEY_BYTES
 
 __all__ = [
@@ -37,8 +43,11 @@ __all__ = [
     "CorruptBlockError",
     "decode_block",
     "decode_blocks",
+    "decode_pieces",
     "encode_block",
     "encode_blocks",
+    "encode_header",
+    "encode_headers",
     "namespace_id",
     "pack_header",
     "payload_checksum",
@@ -52,6 +61,7 @@ VERSION = 1
 _FIELDS = struct.Struct("<8sHHI16sQQ128s")
 _CHECKED = _FIELDS.size  # 176
 _CHECKSUM = struct.Struct("<Q")
+_PADDING = bytes(HEADER_BYTES - _CHECKED - _CHECKSUM.size)
 
 
 class CorruptBlockError(Exception):
@@ -98,37 +108,58 @@ def verify_header(header: memoryview | bytes, *, namespace: bytes, key: bytes, p
     return checksum
 
 
-def encode_block(payload: memoryview | bytes, *, namespace: bytes, key: bytes) -> bytearray:
-    """Header and payload as one value, for tiers that store a block under a name."""
-    value = bytearray(HEADER_BYTES + len(payload))
-    view = memoryview(value)
-    view[HEADER_BYTES:] = payload
-    checksum = payload_checksum(view[HEADER_BYTES:])
+def encode_header(payload: memoryview, *, namespace: bytes, key: bytes) -> bytes:
+    """The header of `payload` stored under `key`: the value is this, then the payload."""
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
+    fields = _FIELDS.pack(
+        MAGIC, VERSION, len(key), 0, namespace, len(payload), payload_checksum(payload), key
+    )
+    return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields)) + _PADDING
+
+
+def encode_block(payload: memoryview, *, namespace: bytes, key: bytes) -> memoryview:
+    """Header and payload as one value (a new buffer), for tiers that store a block under a name."""
+    value = new_buffer(HEADER_BYTES + len(payload))
+    copy_into(value[HEADER_BYTES:], payload)
+    checksum = payload_checksum(value[HEADER_BYTES:])
     pack_header(
-        view[:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(payload), checksum=checksum
+        value[:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(payload), checksum=checksum
     )
     return value
 
 
-def decode_block(value: Any, into: memoryview, *, namespace: bytes, key: bytes) -> bool:
-    """Copy the payload of a stored value (bytes-like, or None) into `into` if every check
-    passes; False otherwise."""
-    if value is None:
+def decode_pieces(pieces: Sequence[Any], into: memoryview, *, namespace: bytes, key: bytes) -> bool:
+    """Copy the payload of a stored value, given as consecutive pieces (bytes-like; None: a
+    piece missing), into `into` if every check passes; False otherwise (then `into` may hold
+    anything). The first piece holds at least the whole header."""
+    if not pieces or any(piece is None for piece in pieces):
         return False
-    view = memoryview(value)
-    if view.nbytes != HEADER_BYTES + len(into):
+    views = [memoryview(piece).cast("B") for piece in pieces]
+    if sum(view.nbytes for view in views) != HEADER_BYTES + len(into) or views[0].nbytes < HEADER_BYTES:
         return False
     try:
-        checksum = verify_header(view[:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(into))
+        checksum = verify_header(views[0][:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(into))
     except CorruptBlockError:
         return False
-    if payload_checksum(view[HEADER_BYTES:]) != checksum:
-        return False
-    into[:] = view[HEADER_BYTES:]
-    return True
+    at = 0
+    for view in [views[0][HEADER_BYTES:], *views[1:]]:
+        copy_into(into[at:], view)
+        at += view.nbytes
+    return payload_checksum(into) == checksum
 
 
-def encode_blocks(keys: Sequence[bytes], blocks: Sequence[memoryview], namespace: bytes) -> list[bytearray]:
+def decode_block(value: Any, into: memoryview, *, namespace: bytes, key: bytes) -> bool:
+    """`decode_pieces` of a value stored whole (bytes-like, or None)."""
+    return decode_pieces([value], into, namespace=namespace, key=key)
+
+
+def encode_headers(keys: Sequence[bytes], blocks: Sequence[memoryview], namespace: bytes) -> list[bytes]:
+    """`encode_header` for each block (blocking: a worker thread's work)."""
+    return [encode_header(block, namespace=namespace, key=key) for key, block in zip(keys, blocks)]
+
+
+def encode_blocks(keys: Sequence[bytes], blocks: Sequence[memoryview], namespace: bytes) -> list[memoryview]:
     """`encode_block` for each block (blocking: a worker thread's work)."""
     return [encode_block(block, namespace=namespace, key=key) for key, block in zip(keys, blocks)]
 
@@ -136,8 +167,9 @@ def encode_blocks(keys: Sequence[bytes], blocks: Sequence[memoryview], namespace
 def decode_blocks(
     keys: Sequence[bytes], values: Sequence[Any], blocks: Sequence[memoryview], namespace: bytes
 ) -> list[bool]:
-    """`decode_block` for each value into its block (blocking: a worker thread's work)."""
+    """`decode_pieces` for each value, given whole or as a list of pieces, into its block
+    (blocking: a worker thread's work)."""
     return [
-        decode_block(value, block, namespace=namespace, key=key)
+        decode_pieces(value if isinstance(value, list) else [value], block, namespace=namespace, key=key)
         for key, value, block in zip(keys, values, blocks)
     ]
