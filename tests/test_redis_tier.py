@@ -233,3 +233,123 @@ def test_a_block_larger_than_redis_accepts_is_refused_at_construction() -> None:
             kt.SecondaryTierFactory.create_secondary_tier({"type": "redis"}, memoryview(buffer), spec)
     finally:
         buffer.close()
+
+
+@pytest.mark.asyncio
+async def test_blocks_evicted_under_maxmemory_are_counted_misses(tmp_path: Path) -> None:
+    # A fleet's Redis runs with a memory bound and an eviction policy: evicted blocks are misses,
+    # never errors, never wrong bytes; the tier keeps storing and loading what the server holds.
+    server = servers.RedisServer(
+        tmp_path / "redis", None, "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"
+    )
+    await asyncio.to_thread(server.start)
+    try:
+        tier, primary = scenarios.make_tier(config(server.url))
+        async with tier:
+            keys = [make_key(i, b"evict") for i in range(512)]  # ~4 MiB of blocks: twice what fits
+            payloads: dict[bytes, bytes] = {}
+            for start in range(0, len(keys), 8):
+                for key, data in zip(
+                    keys[start : start + 8], scenarios.fill(primary, list(range(8)), seed=start)
+                ):
+                    payloads[key] = data
+                assert await tier.store(keys[start : start + 8], list(range(8))) == [True] * 8
+            hits = 0
+            for start in range(0, len(keys), 8):
+                loaded = await tier.load(keys[start : start + 8], list(range(8, 16)))
+                for slot, key, ok in zip(range(8, 16), keys[start : start + 8], loaded):
+                    if ok:
+                        hits += 1
+                        assert bytes(primary.slot_view(slot)) == payloads[key]
+            stats = tier.stats()
+        assert 0 < hits < len(keys)
+        assert (stats["load_hits"], stats["load_misses"]) == (hits, len(keys) - hits)
+        assert (stats["errors"], stats["corrupt_blocks"], stats["writes_refused"]) == (0, 0, 0)
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+@pytest.mark.asyncio
+async def test_writes_a_full_server_refuses_fail_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # maxmemory-policy noeviction: once full, the server answers every write with an OOM error.
+    # Those stores return False (counted, logged once), loads of what it holds still hit, and the
+    # server is not taken for dead: it answers.
+    server = servers.RedisServer(
+        tmp_path / "redis", None, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
+    )
+    await asyncio.to_thread(server.start)
+    caplog.set_level(logging.WARNING)
+    try:
+        tier, primary = scenarios.make_tier(config(server.url))
+        async with tier:
+            keys = [make_key(i, b"full") for i in range(512)]
+            stored: list[bool] = []
+            for start in range(0, len(keys), 8):
+                scenarios.fill(primary, list(range(8)), seed=start)
+                stored += await tier.store(keys[start : start + 8], list(range(8)))
+            held = [key for key, ok in zip(keys, stored) if ok]
+            assert 0 < len(held) < len(keys)
+            assert await tier.lookup(held[:8]) == 8
+            assert await tier.load(held[:8], list(range(8, 16))) == [True] * 8
+            stats = tier.stats()
+        assert stats["writes_refused"] == len(keys) - len(held)
+        assert (stats["errors"], stats["fault_breaker"]) == (0, "closed")
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 1 and "maxmemory" in refusals[0]
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+@pytest.mark.one_loop
+@pytest.mark.asyncio
+async def test_a_cluster_master_killed_fails_over_to_its_replica(tmp_path: Path) -> None:
+    # Three masters with a replica each. A master is killed mid-run: calls touching its slots fail
+    # at once (nothing wrong returned), and once its replica has taken over, every block written
+    # before (and replicated) loads again through the same tier object, and new stores succeed.
+    cluster = servers.RedisCluster(tmp_path / "cluster", replicas=1, extra=("--cluster-node-timeout", "1000"))
+    await asyncio.to_thread(cluster.start)
+    try:
+        tier, primary = scenarios.make_tier(config(cluster.url, cluster=True, timeout_s=0.5))
+        clock = scenarios.Clock()
+        tier.fault_breaker.clock = clock  # the test skips the breaker's cool-downs
+        async with tier:
+            keys = [make_key(i, b"failover") for i in range(64)]
+            payloads: dict[bytes, bytes] = {}
+            for start in range(0, len(keys), 8):
+                for key, data in zip(
+                    keys[start : start + 8], scenarios.fill(primary, list(range(8)), seed=start)
+                ):
+                    payloads[key] = data
+                assert await tier.store(keys[start : start + 8], list(range(8))) == [True] * 8
+            await asyncio.to_thread(cluster.wait_replicated)
+            victim = (await asyncio.to_thread(cluster.masters))[0]
+            (replica,) = await asyncio.to_thread(cluster.replicas_of, victim)
+
+            async def load_all() -> int:
+                """Loads every block; each one that hits must be exact. Returns the hits."""
+                hits = 0
+                for start in range(0, len(keys), 8):
+                    loaded = await tier.load(keys[start : start + 8], list(range(8, 16)))
+                    for slot, key, ok in zip(range(8, 16), keys[start : start + 8], loaded):
+                        if ok:
+                            hits += 1
+                            assert bytes(primary.slot_view(slot)) == payloads[key]
+                return hits
+
+            await asyncio.to_thread(victim.stop)
+            assert await load_all() < len(keys)  # the dead master's blocks cannot be read now
+            await asyncio.to_thread(cluster.wait_promoted, replica)
+            for _attempt in range(50):  # the client finds the new topology within a few calls
+                clock.now += 60.0
+                if await load_all() == len(keys):
+                    break
+            else:
+                pytest.fail(f"blocks still missing after the failover: {tier.stats()}")
+            new = [make_key(i, b"after-failover") for i in range(8)]
+            scenarios.fill(primary, list(range(8)), seed=99)
+            assert await tier.store(new, list(range(8))) == [True] * 8
+            assert await tier.lookup(new) == 8
+    finally:
+        await asyncio.to_thread(cluster.stop)

@@ -4,26 +4,44 @@ Each block is one string value, `<prefix>:<namespace id hex>:<key hex>`, in the
 self-verifying block format (a 4096-byte header with checksums, then the
 payload), so a value that was changed, truncated or written for another
 namespace reads as a miss. Batches go out as pipelines (per node on a
-Cluster); checksums are computed and checked on worker threads. Every server
-call is bounded by `timeout_s`: a server that is down or slow makes stores
-return False and loads miss, counted in stats, and the next call simply tries
-again (redis-py reconnects), so the tier recovers when the server does.
+Cluster), through redis-py's asyncio client with hiredis.
 
-The tier keeps no record of what the server holds: a restarted server that
-lost everything is read as it is.
+Where the time goes, and what we do about it (`bench/remote_tiers.py` measures it):
+
+- At most `max_connections` pipelines are at the server at once (`ServerGate`); the rest wait
+  their turn, loads first, within `timeout_s`. redis-py's pool raises the moment it runs out
+  of connections instead of waiting, which a serving frontend's concurrency easily reaches.
+- A stored value goes out as two buffers, the header and the block straight from the
+  primary tier (`ValuePieces`), never joined into one: redis-py would copy a `bytes` value
+  once more on the event loop (hiredis packs every argument into one string), and joining
+  them would copy it on a worker thread. Only the checksum is computed, on a worker thread.
+- A value over `READ_PIECE_BYTES` is read back as ranges of it (GETRANGE, in one pipeline):
+  hiredis builds each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB.
+  The pieces are checked and copied into the primary tier on a worker thread, the GIL
+  released (`buffers`).
+
+Every server call is bounded by `timeout_s`, the wait for a place included: a server that is
+down or slow makes stores return False and loads miss, counted in stats, and the next call
+simply tries again (redis-py reconnects), so the tier recovers when the server does.
+
+The tier keeps no record of what the server holds: a restarted server that lost everything,
+or one whose `maxmemory` policy evicted a block, is read as it is (a miss).
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import functools
 import importlib.metadata
 import logging
-from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ..block_format import HEADER_BYTES, decode_blocks, encode_blocks, namespace_id
+from ..block_format import HEADER_BYTES, decode_blocks, encode_blocks, encode_headers, namespace_id
+from ..coalesce import Coalescer
 from ..errors import ConfigError
+from ..server_gate import ServerGate
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 
@@ -31,10 +49,79 @@ __all__ = ["RedisTier"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 #: Redis refuses bulk strings longer than proto-max-bulk-len, 512 MiB unless configured.
 DEFAULT_MAX_VALUE_BYTES = 512 << 20
+
+#: Values longer than this are read as ranges of at most this many bytes (a 1 MiB block whole).
+#: `bench/remote_tiers.py`, 8 MiB blocks on uvloop: loop lag during loads p99 ~2 ms read in
+#: 1 MiB ranges, 4-7 ms read whole, at the same throughput.
+READ_PIECE_BYTES = HEADER_BYTES + (1 << 20)
+
+
+#: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
+EXISTS_PER_PIPELINE = 1024
+
+
+class ValuePieces:
+    """One bulk-string argument sent as consecutive buffers, never joined (see `pack_command`)."""
+
+    __slots__ = ("nbytes", "pieces")
+
+    def __init__(self, *pieces: Any) -> None:
+        self.pieces = [memoryview(piece) for piece in pieces]
+        self.nbytes = sum(piece.nbytes for piece in self.pieces)
+
+    def release(self) -> None:
+        """Let go of the buffers: redis-py's pipeline, and an error raised through it, may keep
+        this object alive (in a reference cycle) long after the call, and with it a view of the
+        primary tier that its owner then could not unmap."""
+        for piece in self.pieces:
+            with contextlib.suppress(BufferError):
+                # Still exported: uvloop lets go of a written buffer in the loop iteration after
+                # the write completed, which may come after the reply was read. It is released
+                # then, with the last reference (a write cut short is dropped: `disconnect`).
+                piece.release()
+
+    def __repr__(self) -> str:  # redis-py may name a failed command's arguments in an error
+        return f"<{self.nbytes} bytes in {len(self.pieces)} pieces>"
+
+
+class _PiecesConnection:
+    """A redis-py asyncio connection class mixin: `ValuePieces` arguments go out as their buffers.
+
+    `pack_command` is redis-py's own extension point for the wire form of a command (its
+    hiredis packer is one); the rest of the command is framed as redis-py frames it.
+    """
+
+    def pack_command(self, *args: Any) -> list[Any]:
+        if not any(isinstance(arg, ValuePieces) for arg in args):
+            return super().pack_command(*args)  # type: ignore[misc, no-any-return]
+        encode = self.encoder.encode  # type: ignore[attr-defined]
+        out: list[Any] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if isinstance(arg, ValuePieces):
+                out.append(b"$%d\r\n" % arg.nbytes)
+                out.extend(arg.pieces)
+                out.append(b"\r\n")
+            else:
+                data = bytes(encode(arg))
+                out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        return out
+
+    async def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        # A write cut short (a timeout, a cancelled call) may leave pieces of the primary tier
+        # queued in the transport; a plain close would still send them later, and keep them
+        # referenced until then (the primary's owner could not unmap it). Drop them.
+        writer = getattr(self, "_writer", None)
+        if writer is not None and writer.transport.get_write_buffer_size():
+            writer.transport.abort()
+        await super().disconnect(*args, **kwargs)  # type: ignore[misc]
+
+
+@functools.cache
+def with_value_pieces(connection_class: Any) -> Any:
+    """`connection_class` (redis-py's TCP, TLS or unix-socket one) that sends `ValuePieces`."""
+    return type(f"Pieces{connection_class.__name__}", (_PiecesConnection, connection_class), {})
 
 
 def redact_url(url: str) -> str:
@@ -60,7 +147,8 @@ class RedisTier(SecondaryTierManager):
 
     A `client` passed in (a `redis.asyncio.Redis` or `RedisCluster`) is used
     as it is and not closed by the tier; otherwise the tier makes one from
-    `url` and owns it.
+    `url` and owns it. `max_connections` bounds the pipelines the tier has at the
+    server at once (per node on a Cluster); a client passed in must allow that many.
     """
 
     def __init__(
@@ -106,6 +194,14 @@ class RedisTier(SecondaryTierManager):
         self._owns_client = client is None
         self._namespace = namespace_id(offloading_spec.namespace)
         self._name_prefix = f"{prefix}:{self._namespace.hex()}:".encode()
+        self.gate = ServerGate(f"{tier_type}/server", max_connections, self.timeout_s)
+        #: The existence checks of concurrent calls (stores, lookups) share pipelines.
+        self._exists = Coalescer(self._exists_now, EXISTS_PER_PIPELINE)
+        #: A value read back as ranges: (start, end inclusive) of each.
+        self._read_ranges = [
+            (start, min(start + READ_PIECE_BYTES, self.value_nbytes) - 1)
+            for start in range(0, self.value_nbytes, READ_PIECE_BYTES)
+        ]
 
     def value_name(self, key: bytes) -> bytes:
         """The Redis key a block is stored under."""
@@ -117,7 +213,7 @@ class RedisTier(SecondaryTierManager):
             # On a worker thread: redis-py reads its package metadata from disk when it
             # builds a client, and again for each connection unless told its version.
             self._client = await self.run_blocking(self._make_client)
-        await self._bounded(self._check_value_limit())
+        await self.gate.call(self._check_value_limit())
 
     def _make_client(self) -> Any:
         options: dict[str, Any] = {
@@ -135,10 +231,20 @@ class RedisTier(SecondaryTierManager):
         if self.cluster:
             from redis.asyncio.cluster import RedisCluster
 
-            return RedisCluster.from_url(self._url, **options)
-        from redis.asyncio import Redis
+            cluster = RedisCluster.from_url(self._url, **options)
+            # Every node's connections are made from these options, the nodes found later too.
+            kwargs = cluster.connection_kwargs
+            kwargs["connection_class"] = with_value_pieces(kwargs["connection_class"])
+            for node in cluster.startup_nodes:
+                node.connection_class = kwargs["connection_class"]
+            return cluster
+        from redis.asyncio import BlockingConnectionPool, Redis
 
-        return Redis.from_url(self._url, **options)
+        # The gate keeps us within max_connections; a blocking pool waits rather than raise
+        # should anything else take a connection meanwhile.
+        pool = BlockingConnectionPool.from_url(self._url, timeout=self.timeout_s, **options)
+        pool.connection_class = with_value_pieces(pool.connection_class)  # type: ignore[arg-type]
+        return Redis.from_pool(pool)
 
     async def _check_value_limit(self) -> None:
         """A server configured for smaller values than our blocks would refuse every store."""
@@ -165,37 +271,70 @@ class RedisTier(SecondaryTierManager):
     # -- the hooks -----------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
-        values = await self.run_blocking(encode_blocks, list(keys), list(blocks), self._namespace)
+        values: list[Any]
+        if self._owns_client:  # our connections send a value as its pieces
+            nbytes = len(keys) * self.block_nbytes
+            headers = await self.run_cpu(nbytes, encode_headers, list(keys), list(blocks), self._namespace)
+            values = [ValuePieces(header, block) for header, block in zip(headers, blocks)]
+        else:  # a client of someone else's sends what redis-py sends: one buffer
+            nbytes = len(keys) * self.value_nbytes
+            values = await self.run_cpu(nbytes, encode_blocks, list(keys), list(blocks), self._namespace)
         names = [self.value_name(key) for key in keys]
 
-        async def send(pipe: Any) -> None:
+        def send(pipe: Any) -> None:
             for name, value in zip(names, values):
-                pipe.set(name, memoryview(value), px=self._ttl_ms)
+                pipe.set(name, value, px=self._ttl_ms)
 
-        replies = await self._pipeline(send)
+        try:
+            replies = await self._pipeline(send)
+        finally:
+            for value in values:
+                value.release()
+        refused = [reply for reply in replies if isinstance(reply, Exception)]
+        if refused:  # e.g. OOM under maxmemory-policy noeviction: the server answered, and said no
+            self.counters["writes_refused"] += len(refused)
+            self.fault_log.warning(
+                ("refused", type(refused[0])),
+                "tier %r: the server refused %d of %d writes: %s",
+                self.name,
+                len(refused),
+                len(replies),
+                str(refused[0]),
+            )
         return [reply is True for reply in replies]
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
         names = [self.value_name(key) for key in keys]
+        ranges = self._read_ranges
 
-        async def send(pipe: Any) -> None:
+        def send(pipe: Any) -> None:
             for name in names:
-                pipe.get(name)
+                if len(ranges) == 1:
+                    pipe.get(name)
+                else:
+                    for start, end in ranges:
+                        pipe.getrange(name, start, end)
 
         replies = await self._pipeline(send)
-        values = [reply if isinstance(reply, bytes) else None for reply in replies]
-        ok = await self.run_blocking(decode_blocks, list(keys), values, list(blocks), self._namespace)
+        # Per block, its pieces; a block none of whose pieces came back is absent (not corrupt).
+        values = [
+            [r if isinstance(r, bytes) and r else None for r in replies[i : i + len(ranges)]]
+            for i in range(0, len(replies), len(ranges))
+        ]
+        nbytes = len(keys) * self.value_nbytes
+        ok = await self.run_cpu(nbytes, decode_blocks, list(keys), values, list(blocks), self._namespace)
         self.counters["corrupt_blocks"] += sum(
-            1 for value, good in zip(values, ok) if value is not None and not good
+            1 for pieces, good in zip(values, ok) if not good and any(p is not None for p in pieces)
         )
         return ok
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited
-        names = [self.value_name(key) for key in keys]
+        return await self._exists([self.value_name(key) for key in keys])
 
-        async def send(pipe: Any) -> None:
+    async def _exists_now(self, names: list[bytes]) -> list[bool]:
+        def send(pipe: Any) -> None:
             for name in names:
                 pipe.exists(name)
 
@@ -205,7 +344,7 @@ class RedisTier(SecondaryTierManager):
         # docstring inherited
         names = [self.value_name(key) for key in keys]
 
-        async def send(pipe: Any) -> None:
+        def send(pipe: Any) -> None:
             for name in names:
                 pipe.delete(name)
 
@@ -219,24 +358,24 @@ class RedisTier(SecondaryTierManager):
             "url": self.where,
             "cluster": self.cluster,
             "corrupt_blocks": self.counters["corrupt_blocks"],
+            "writes_refused": self.counters["writes_refused"],
+            "server_gate": self.gate.stats(),
+            "existence_checks": {"calls": self._exists.calls, "pipelines": self._exists.requests},
         }
 
     # -- internals -----------------------------------------------------------------------------
     async def _pipeline(self, send: Any) -> list[Any]:
-        """One non-transactional pipeline (per node on a Cluster), bounded by `timeout_s`.
-
-        A command that failed on its own comes back as its exception, in place.
+        """One non-transactional pipeline (per node on a Cluster) through the gate, bounded by
+        `timeout_s`, the wait included. A command that failed on its own (a value evicted
+        meanwhile, an out-of-memory answer) comes back as its exception, in place.
         """
         if not await self._ensure_open():
             raise ConnectionError(f"redis tier {self.name!r}: the server at {self.where} is not reachable")
 
         async def run() -> list[Any]:
             async with self._client.pipeline(transaction=False) as pipe:
-                await send(pipe)
+                send(pipe)
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
                 return replies
 
-        return await self._bounded(run())
-
-    async def _bounded(self, call: Awaitable[T]) -> T:
-        return await asyncio.wait_for(call, self.timeout_s)
+        return await self.gate.call(run())
