@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -120,13 +121,14 @@ class RedisServer:
             self.process = None
 
 
-CLUSTER_NODE_OPTIONS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
-
-
 class RedisCluster:
-    """Three masters, no replicas, joined with `redis-cli --cluster create`."""
+    """Three masters joined with `redis-cli --cluster create`, each with `replicas` replicas.
 
-    def __init__(self, directory: Path) -> None:
+    `extra` options go to every node (`--cluster-node-timeout 1000`: a dead master is failed
+    over within seconds rather than the default 15)."""
+
+    def __init__(self, directory: Path, replicas: int = 0, extra: tuple[str, ...] = ()) -> None:
+        self.replicas = replicas
         self.nodes = [
             RedisServer(
                 directory / f"node{i}",
@@ -135,8 +137,9 @@ class RedisCluster:
                 "yes",
                 "--cluster-config-file",
                 "nodes.conf",
+                *extra,
             )
-            for i in range(3)
+            for i in range(3 * (1 + replicas))
         ]
 
     @property
@@ -148,22 +151,81 @@ class RedisCluster:
         for node in self.nodes:
             node.start()
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-yes"],
+            [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
             check=True,
             capture_output=True,
         )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # wait until every node agrees the cluster is whole
-            infos = [
-                subprocess.run(
-                    [REDIS_CLI, "-p", str(n.port), "cluster", "info"], capture_output=True, text=True
-                ).stdout
-                for n in self.nodes
-            ]
-            if all("cluster_state:ok" in info for info in infos):
+        # Until every node agrees the cluster is whole, and every replica follows its master.
+        self._wait_for(
+            lambda: (
+                all("cluster_state:ok" in self.cli(n, "cluster", "info") for n in self.nodes)
+                and all(self.master_of(n) is not None for n in self.nodes if self.role(n) == "slave")
+            ),
+            "the Redis Cluster did not become ready",
+        )
+
+    def cli(self, node: RedisServer, *command: str) -> str:
+        assert REDIS_CLI is not None
+        done = subprocess.run([REDIS_CLI, "-p", str(node.port), *command], capture_output=True, text=True)
+        return done.stdout
+
+    def info(self, node: RedisServer) -> dict[str, str]:
+        lines = self.cli(node, "info", "replication").splitlines()
+        return dict(line.split(":", 1) for line in lines if ":" in line)
+
+    def role(self, node: RedisServer) -> str:
+        return self.info(node).get("role", "")
+
+    def master_of(self, node: RedisServer) -> RedisServer | None:
+        """The master a replica follows, once its link to it is up."""
+        info = self.info(node)
+        if info.get("master_link_status") != "up":
+            return None
+        return next((n for n in self.nodes if str(n.port) == info.get("master_port")), None)
+
+    def masters(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.process is not None and self.role(n) == "master"]
+
+    def replicas_of(self, master: RedisServer) -> list[RedisServer]:
+        return [n for n in self.nodes if n.process is not None and self.master_of(n) is master]
+
+    def wait_replicated(self) -> None:
+        """Until every replica has every write its master has taken."""
+
+        def caught_up(master: RedisServer) -> bool:
+            info = self.info(master)
+            offsets = [v for k, v in info.items() if k.startswith("slave") and "offset=" in v]
+            target = info.get("master_repl_offset")
+            return all(f"offset={target}," in v for v in offsets) and len(offsets) == self.replicas
+
+        self._wait_for(lambda: all(caught_up(m) for m in self.masters()), "the replicas did not catch up")
+
+    def wait_promoted(self, replica: RedisServer) -> None:
+        """Until `replica` has taken over its dead master's slots and the cluster is whole again."""
+        self._wait_for(
+            lambda: (
+                self.role(replica) == "master" and "cluster_state:ok" in self.cli(replica, "cluster", "info")
+            ),
+            "the replica did not take over",
+        )
+
+    @staticmethod
+    def _wait_for(condition: Callable[[], bool], failure: str) -> None:
+        # The servers' own start-up and failover, not the code under test: polled with a deadline.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if condition():
                 return
             time.sleep(0.05)
-        raise RuntimeError("the Redis Cluster did not become ready")
+        raise RuntimeError(failure)
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -222,6 +284,89 @@ class S3Server:
             self.process.kill()
             self.process.wait()
             self.process = None
+
+
+class ThrottlingProxy:
+    """An HTTP proxy in front of an S3 server that answers `503 SlowDown`, as S3 does when a
+    prefix is asked too fast: to the first attempt of each request (`throttle="first"`), or to
+    every one (`"all"`). Each attempt it lets through is forwarded as it came."""
+
+    SLOW_DOWN = (
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+        b"<Message>Please reduce your request rate.</Message></Error>"
+    )
+
+    def __init__(self, upstream: str, throttle: str = "first") -> None:
+        import http.server
+        import threading
+        import urllib.parse
+
+        self.throttle = throttle
+        self.throttled = 0
+        self.forwarded = 0
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        target = urllib.parse.urlsplit(upstream)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def _handle(self) -> None:
+                import http.client
+
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    first = (self.command, self.path) not in proxy._seen
+                    proxy._seen.add((self.command, self.path))
+                    slow_down = proxy.throttle == "all" or first
+                    if slow_down:
+                        proxy.throttled += 1
+                    else:
+                        proxy.forwarded += 1
+                if slow_down:
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(ThrottlingProxy.SLOW_DOWN)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(ThrottlingProxy.SLOW_DOWN)
+                    return
+                upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    reply = upstream.getresponse()
+                    data = reply.read()
+                    self.send_response(reply.status, reply.reason)
+                    for name, value in reply.getheaders():
+                        if name.lower() not in ("connection", "transfer-encoding", "content-length"):
+                            self.send_header(name, value)
+                    length = reply.getheader("Content-Length") if self.command == "HEAD" else None
+                    self.send_header("Content-Length", length or str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    upstream.close()
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _handle
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    async def __aenter__(self) -> ThrottlingProxy:
+        await asyncio.to_thread(self._thread.start)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self._server.shutdown)  # waits for serve_forever to return
+        await asyncio.to_thread(self._server.server_close)
 
 
 class Blackhole:

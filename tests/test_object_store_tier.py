@@ -142,3 +142,37 @@ def test_bad_config_is_refused_before_anything_starts() -> None:
     ]:
         with pytest.raises((kt.ConfigError, TypeError), match=message):
             kt.SecondaryTierFactory.create_secondary_tier({"type": "s3", **bad}, view, spec)
+
+
+@pytest.mark.asyncio
+async def test_throttling_answers_are_retried_within_the_deadline(s3_server: servers.S3Server) -> None:
+    # S3 answers 503 SlowDown when a prefix is asked too fast. Every request's first attempt
+    # here gets one: obstore backs off and retries, every call succeeds, nothing is counted failed.
+    async with servers.ThrottlingProxy(s3_server.endpoint) as proxy:
+        tier, primary = scenarios.make_tier(config(proxy.endpoint))
+        async with tier:
+            keys = [make_key(i, b"slow") for i in range(8)]
+            payloads = scenarios.fill(primary, list(range(8)), seed=5)
+            assert await tier.store(keys, list(range(8))) == [True] * 8
+            assert await tier.lookup(keys) == 8
+            assert await tier.load(keys, list(range(8, 16))) == [True] * 8
+            assert [bytes(primary.slot_view(s)) for s in range(8, 16)] == payloads
+            stats = tier.stats()
+    assert proxy.throttled >= 3 * 8  # HEAD, PUT and GET of each block, at least once each
+    assert (stats["errors"], stats["request_failures"]) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_keeps_throttling_fails_the_call_within_its_deadline(
+    s3_server: servers.S3Server,
+) -> None:
+    async with servers.ThrottlingProxy(s3_server.endpoint, throttle="all") as proxy:
+        tier, primary = scenarios.make_tier(config(proxy.endpoint, timeout_s=0.5, max_retries=2))
+        async with tier:
+            scenarios.fill(primary, [0], seed=6)
+            assert await tier.store([make_key(0, b"slow")], [0]) == [False]
+            assert await tier.load([make_key(0, b"slow")], [1]) == [False]
+            stats = tier.stats()
+    assert proxy.forwarded == 0 and proxy.throttled >= 2 * 3  # each request: first try, 2 retries
+    # the store's existence check and its write, and the load: each failed, none hung
+    assert stats["errors"] == 3 and stats["request_failures"] == 3

@@ -4,11 +4,14 @@ Each block is one object, `<prefix>/<namespace id hex>/<key hex>`, in the
 self-verifying block format (a 4096-byte header with checksums, then the
 payload); the namespace id (BLAKE2b-128 of the namespace, as in the fs tier)
 keeps any namespace string a safe path segment. A batch becomes concurrent
-PUT / GET / HEAD requests; checksums are computed and checked on worker
-threads. obstore retries with exponential backoff, and both the retries and a
-hard bound on each batch stay within `timeout_s`: a KV load must not wait
-minutes. A store that is down or slow makes stores return False and loads
-miss, counted in stats; the next call simply tries again.
+PUT / GET / HEAD requests, at most `max_requests` of the tier's at the server at once
+(`ServerGate`: the rest wait their turn, loads first; a small server drops connections past
+its backlog, and a large one throttles); checksums are computed and checked, and values copied,
+on worker threads with the GIL released (`buffers`), so the event loop never waits for them.
+obstore retries with exponential backoff (throttling answers such as 503 SlowDown too), and
+both the retries and a hard bound on each request, its wait for a place included, stay within
+`timeout_s`: a KV load must not wait minutes. A store that is down or slow makes stores return
+False and loads miss, counted in stats; the next call simply tries again.
 
 The tier keeps no record of what the bucket holds.
 """
@@ -23,6 +26,7 @@ from typing import Any, TypeVar
 
 from ..block_format import decode_blocks, encode_blocks, namespace_id
 from ..errors import ConfigError
+from ..server_gate import QueueTimeout, ServerGate
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 
@@ -59,6 +63,7 @@ class ObjectStoreTier(SecondaryTierManager):
         allow_http: bool = False,
         timeout_s: float = 5.0,
         max_retries: int = 3,
+        max_requests: int = 64,
         store: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
@@ -83,6 +88,8 @@ class ObjectStoreTier(SecondaryTierManager):
             raise ConfigError(f"s3 tier: timeout_s must be a number > 0, got {timeout_s!r}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ConfigError(f"s3 tier: max_retries must be an int >= 0, got {max_retries!r}")
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+            raise ConfigError(f"s3 tier: max_requests must be an int >= 1, got {max_requests!r}")
         self.bucket = bucket
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
@@ -102,6 +109,9 @@ class ObjectStoreTier(SecondaryTierManager):
         self._namespace = namespace_id(offloading_spec.namespace)
         parts = [p for p in prefix.strip("/").split("/") if p] + [self._namespace.hex()]
         self._name_prefix = "/".join(parts) + "/"
+        # obstore's retries stop within timeout_s; the gate's deadline also bounds a request
+        # that hangs anyway, and the wait for a place.
+        self.gate = ServerGate(f"{tier_type}/server", max_requests, 1.5 * self.timeout_s)
 
     def object_name(self, key: bytes) -> str:
         """The object a block is stored as."""
@@ -141,28 +151,33 @@ class ObjectStoreTier(SecondaryTierManager):
         import obstore
 
         await self._ready()
-        values = await self.run_blocking(encode_blocks, list(keys), list(blocks), self._namespace)
-        puts = [obstore.put_async(self._store, self.object_name(k), v) for k, v in zip(keys, values)]
-        replies = await self._bounded(asyncio.gather(*puts, return_exceptions=True))
+        nbytes = len(keys) * self.block_nbytes
+        values = await self.run_cpu(nbytes, encode_blocks, list(keys), list(blocks), self._namespace)
+        puts = [
+            self._request(obstore.put_async(self._store, self.object_name(k), v))
+            for k, v in zip(keys, values)
+        ]
+        replies = await asyncio.gather(*puts, return_exceptions=True)
         self._count_failures(replies)
         return [not isinstance(reply, BaseException) for reply in replies]
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
         await self._ready()
-        gets = [self._get(k) for k in keys]
-        values = await self._bounded(asyncio.gather(*gets, return_exceptions=True))
+        gets = [self._request(self._get(k)) for k in keys]
+        values = await asyncio.gather(*gets, return_exceptions=True)
         self._count_failures(values)
         found = [None if isinstance(value, BaseException) else value for value in values]
-        ok = await self.run_blocking(decode_blocks, list(keys), found, list(blocks), self._namespace)
+        nbytes = len(keys) * self.block_nbytes
+        ok = await self.run_cpu(nbytes, decode_blocks, list(keys), found, list(blocks), self._namespace)
         self.counters["corrupt_blocks"] += sum(1 for v, good in zip(found, ok) if v is not None and not good)
         return ok
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited
         await self._ready()
-        heads = [self._exists(k) for k in keys]
-        replies = await self._bounded(asyncio.gather(*heads, return_exceptions=True))
+        heads = [self._request(self._exists(k)) for k in keys]
+        replies = await asyncio.gather(*heads, return_exceptions=True)
         self._count_failures(replies)
         return [reply is True for reply in replies]
 
@@ -172,7 +187,7 @@ class ObjectStoreTier(SecondaryTierManager):
 
         held = [key for key, present in zip(keys, await self.contains(keys)) if present]
         if held:
-            await self._bounded(obstore.delete_async(self._store, [self.object_name(k) for k in held]))
+            await self._request(obstore.delete_async(self._store, [self.object_name(k) for k in held]))
             self.notify_removed(held)
         return len(held)
 
@@ -182,6 +197,7 @@ class ObjectStoreTier(SecondaryTierManager):
             "endpoint": self.endpoint,
             "corrupt_blocks": self.counters["corrupt_blocks"],
             "request_failures": self.counters["request_failures"],
+            "server_gate": self.gate.stats(),
         }
 
     # -- internals -------------------------------------------------------------------------------
@@ -210,13 +226,14 @@ class ObjectStoreTier(SecondaryTierManager):
         if not await self._ensure_open():
             raise ConnectionError(f"s3 tier {self.name!r}: the store could not be set up")
 
-    async def _bounded(self, call: Awaitable[T]) -> T:
-        # obstore's retries stop within timeout_s; this bounds a request that hangs anyway.
-        return await asyncio.wait_for(call, 1.5 * self.timeout_s)
+    async def _request(self, call: Awaitable[T]) -> T:
+        """One request to the server, through the gate, within the deadline."""
+        return await self.gate.call(call)
 
     def _count_failures(self, replies: Sequence[object]) -> None:
-        """Count failed requests; if every one failed, the store is unreachable: raise (an error)."""
+        """Count failed requests; if every one failed, the store is unreachable: raise (an error;
+        a wait for our own limit only if no request reached the server)."""
         failed = [reply for reply in replies if isinstance(reply, BaseException)]
         self.counters["request_failures"] += len(failed)
         if failed and len(failed) == len(replies):
-            raise failed[0]
+            raise next((e for e in failed if not isinstance(e, QueueTimeout)), failed[0])
