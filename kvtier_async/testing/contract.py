@@ -18,6 +18,8 @@ take more room than `block_nbytes` overrides `capacity_bytes_for`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
@@ -47,6 +49,8 @@ class TierContractTests:
     num_cpu_blocks: ClassVar[int] = 24
     #: The tier's capacity keyword, or None when it has no byte capacity.
     capacity_kwarg: ClassVar[str | None] = "capacity_bytes"
+    #: Callers at once in `test_many_concurrent_callers`: what a serving frontend has in flight.
+    concurrent_callers: ClassVar[int] = 256
 
     def capacity_bytes_for(self, blocks: int, spec: OffloadingSpec) -> int:
         """A capacity that holds exactly `blocks` blocks."""
@@ -181,6 +185,47 @@ class TierContractTests:
         )
         assert all(all(r) for r in loads)
         assert self.read(primary, list(range(12, 24))) == payloads
+
+    @pytest.mark.asyncio
+    async def test_many_concurrent_callers(
+        self, tier_config: dict[str, Any], caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A serving frontend's concurrency at default settings: each caller stores two blocks
+        (one shared with other callers, one its own), looks them up and loads them back, all at
+        once. No call fails for the tier's own limits (connections, requests, queues), nothing
+        is logged, and every block comes back exact."""
+        callers = self.concurrent_callers
+        spec = OffloadingSpec(
+            block_nbytes=self.block_nbytes, num_cpu_blocks=4 * callers, namespace="contract-tests"
+        )
+        primary = PrimaryTier(spec, pin_memory=False)
+        shared = [make_key(i, b"many-shared") for i in range(8)]
+
+        def payload(key: bytes) -> bytes:  # the same bytes for the same key, whoever stores it
+            return hashlib.shake_256(key).digest(spec.block_nbytes)
+
+        async def caller(tier: SecondaryTierManager, n: int) -> None:
+            keys = [shared[n % len(shared)], make_key(n, b"many-own")]
+            slots, into = [4 * n, 4 * n + 1], [4 * n + 2, 4 * n + 3]
+            for key, slot in zip(keys, slots):
+                primary.slot_view(slot)[:] = payload(key)
+            assert await tier.store(keys, slots) == [True, True]
+            assert await tier.lookup(keys) == 2
+            self.wipe(primary, into)
+            assert await tier.load(keys, into) == [True, True]
+            assert self.read(primary, into) == [payload(key) for key in keys]
+
+        caplog.set_level(logging.WARNING)
+        tier = SecondaryTierFactory.create_secondary_tier(tier_config, primary.view, spec)
+        async with tier:
+            await asyncio.gather(*(caller(tier, n) for n in range(callers)))
+            stats = tier.stats()
+        failed = {
+            name: stats[name]
+            for name in ("errors", "queue_timeouts", "calls_skipped_while_down", "stores_dropped")
+        }
+        assert failed == dict.fromkeys(failed, 0)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
     @pytest.mark.asyncio
     async def test_capacity_is_respected(
