@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -71,6 +72,21 @@ def _cuda_host_unregister(address: int) -> None:
     torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
 
 
+def _unpin_before_unmap(pinned_at: list[int], mapping: mmap.mmap) -> None:
+    """A `PrimaryTier` that was never told to give its memory back is gone: unpin its buffer
+    while the mapping still exists (this finalizer holds the last reference to it).
+
+    Unmapped while still registered, the range stays registered with CUDA: a later mapping at
+    the same address then fails to register ("resource already mapped"), or DMA goes to the old
+    physical pages and the host reads bytes the device never wrote (bench/gpu_check.py on an
+    H200: the second primary tier of a run read back wrong bytes).
+    """
+    if pinned_at:
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+            _cuda_host_unregister(pinned_at.pop())
+    del mapping
+
+
 class PrimaryTier:
     """Slots of `spec.block_stride` bytes in one host buffer, with pins and LRU eviction.
 
@@ -95,6 +111,9 @@ class PrimaryTier:
         self.pinned = False
         self.resident = False
         self._mapping = reserve_host_memory(self.num_slots * self.stride)
+        #: The address registered with CUDA, while it is (shared with the finalizer).
+        self._pinned_at: list[int] = []
+        weakref.finalize(self, _unpin_before_unmap, self._pinned_at, self._mapping)
         flat = torch.frombuffer(self._mapping, dtype=torch.uint8)  # mmap memory: page-aligned
         self.view = memoryview(self._mapping)
         #: `[num_slots, block_stride]` uint8; row i is slot i.
@@ -125,6 +144,7 @@ class PrimaryTier:
         _populate(self._mapping, self.buffer.view(-1))
         if self.pin_memory:
             _cuda_host_register(self.buffer.data_ptr(), self.buffer.numel())
+            self._pinned_at.append(self.buffer.data_ptr())
             self.pinned = True
         self.resident = True
 
@@ -138,7 +158,7 @@ class PrimaryTier:
         """
         self._empty_slots()
         if self.pinned:
-            _cuda_host_unregister(self.buffer.data_ptr())
+            _cuda_host_unregister(self._pinned_at.pop())
             self.pinned = False
         self.resident = False
         self._mapping.madvise(mmap.MADV_DONTNEED)

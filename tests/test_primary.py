@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import gc
+import mmap
+import weakref
+
 import pytest
 
 import kvtier_async as kt
@@ -125,3 +129,34 @@ def test_transitions_that_do_not_fit_the_slot_state_are_refused_before_any_chang
     with pytest.raises(SlotStateError, match="not pinned"):
         primary.unpin(slot)
     assert primary.lookup(b"a") == slot and primary.pinned_slots == 0
+
+
+def test_a_pinned_tier_dropped_without_giving_its_memory_back_is_unpinned_before_unmap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unmapped while still registered with CUDA, the range stays registered: the next mapping at
+    # that address failed to register, or its DMA went to the old pages (wrong bytes on an H200).
+    calls: list[tuple[str, int, bool]] = []
+    mappings: list[weakref.ref[mmap.mmap]] = []
+
+    def register(address: int, nbytes: int) -> None:
+        calls.append(("register", address, True))
+
+    def unregister(address: int) -> None:
+        calls.append(("unregister", address, mappings[-1]() is not None))  # still mapped?
+
+    monkeypatch.setattr("kvtier_async.primary._cuda_host_register", register)
+    monkeypatch.setattr("kvtier_async.primary._cuda_host_unregister", unregister)
+    primary = kt.PrimaryTier(kt.OffloadingSpec(block_nbytes=5000, num_cpu_blocks=3), pin_memory=True)
+    mappings.append(weakref.ref(primary._mapping))
+    address = primary.buffer.data_ptr()
+    del primary
+    gc.collect()
+    assert calls == [("register", address, True), ("unregister", address, True)]
+    assert mappings[-1]() is None  # and unmapped after that
+    released = kt.PrimaryTier(kt.OffloadingSpec(block_nbytes=5000, num_cpu_blocks=3), pin_memory=True)
+    mappings.append(weakref.ref(released._mapping))
+    released.release_memory()
+    del released
+    gc.collect()
+    assert [name for name, _, _ in calls] == ["register", "unregister", "register", "unregister"]
