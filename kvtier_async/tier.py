@@ -23,7 +23,7 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 from anyio.abc import AsyncResource
@@ -63,6 +63,11 @@ class SecondaryTierManager(AsyncResource):
     closes it at the end. Opening work a backend needs runs before its first
     operation, off the event-loop thread.
     """
+
+    #: Whether `store` asks `contains` first and writes only the keys not held. A backend whose
+    #: existence check costs a request per key may turn it off: what an engine stores is mostly
+    #: what its lookup has just missed, and writing a held key again is harmless.
+    check_held_before_write: ClassVar[bool] = True
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str) -> None:
         if not isinstance(offloading_spec, OffloadingSpec):
@@ -242,7 +247,10 @@ class SecondaryTierManager(AsyncResource):
             if not await self._ensure_open():
                 self.counters["store_failed_blocks"] += len(keys)
                 return results
-            held = await self._guarded("contains", self.contains(keys), len(keys), Priority.STORE)
+            if self.check_held_before_write:
+                held = await self._guarded("contains", self.contains(keys), len(keys), Priority.STORE)
+            else:
+                held = [False] * len(keys)
             todo = [i for i, h in enumerate(held) if not h]
             lane.release_pending(len(keys) - len(todo))
             self.counters["stores_deduplicated"] += len(keys) - len(todo)
