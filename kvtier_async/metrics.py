@@ -47,8 +47,10 @@ TIER_COUNTERS = (
     "loaded_bytes",
     "errors",
     "calls_skipped_while_down",
+    "queue_timeouts",
     "corrupt_blocks",
     "evictions",
+    "writes_refused",
 )
 CACHE_COUNTERS = (
     "store_calls",

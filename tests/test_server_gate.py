@@ -234,3 +234,28 @@ async def test_waiting_for_our_own_limit_is_a_miss_but_no_server_fault() -> None
         stats = tier.stats()
     assert stats["queue_timeouts"] == 6 * tier.fault_breaker.streak
     assert (stats["errors"], stats["calls_skipped_while_down"], stats["fault_breaker"]) == (0, 0, "closed")
+
+
+class CountingTier(MemoryTier):
+    check_held_before_write = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = 0
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        self.asked += 1
+        return await super().contains(keys)
+
+
+@pytest.mark.asyncio
+async def test_a_tier_may_write_without_asking_first_what_it_holds() -> None:
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    async with CountingTier(spec, primary.view, "memory") as tier:
+        keys = [make_key(n) for n in range(4)]
+        assert await tier.store(keys, [0, 1, 2, 3]) == [True] * 4
+        assert await tier.store(keys, [0, 1, 2, 3]) == [True] * 4  # written again, same bytes
+        assert tier.asked == 0
+        assert (tier.stats()["stored_blocks"], tier.stats()["stores_deduplicated"]) == (8, 0)
+        assert await tier.lookup(keys) == 4 and tier.asked == 1
