@@ -385,6 +385,35 @@ def bench_section() -> list[str]:
     ]
 
 
+def remote_section() -> list[str]:
+    record = load("remote_tiers")
+    return [
+        "## Shared tiers: Redis and S3",
+        "",
+        "The Redis and S3 tiers against their own clients used as well as they can be, in the same",
+        "run and at the same concurrency: redis-py's asyncio pipelines with hiredis, sending each",
+        "value as a `memoryview` (a `bytes` value is copied once more on the event loop by hiredis'",
+        "packer, which halves the raw store's speed), and plain obstore PUT / GET. The servers run",
+        "on this machine (`redis-server`, and moto's S3 server, which is written in Python and is",
+        "the slower side of every S3 number): the figures measure loopback and these servers, not",
+        "a network. Each round issues every request of 8 blocks at once, through a tier made for",
+        "the round (new connections, as after a restart); the table shows medians of the rounds.",
+        "",
+        "On two cores the client's event loop and the server share the machine, and the loop is",
+        "the busy one: whatever the tier does beyond the raw client (a checksum per block, and on",
+        "loads the copy of each reply into the primary tier) comes out of the same two cores.",
+        "Loads of 8 MiB blocks are read as 1 MiB ranges, which the raw client, reading each value",
+        "whole, does not do.",
+        "",
+        provenance(record),
+        "",
+        "```",
+        format_table(record["results"]),
+        "```",
+        "",
+    ]
+
+
 def aiofiles_section() -> list[str]:
     rows = [r for r in load("fs_tier")["results"] if "aiofiles" in r and r["memory"] == "anon"]
     threads = min(r["threads"] for r in rows)
@@ -465,6 +494,8 @@ def render(out: Path) -> str:
     lines += vllm_section()
     lines += lag_section(out)
     lines += bench_section()
+    if (RECORDS / "remote_tiers.json").exists():
+        lines += remote_section()
     lines += aiofiles_section()
     return "\n".join(lines).rstrip() + "\n"
 

@@ -123,6 +123,11 @@ def kvtier_bench(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def remote_tiers(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/remote_tiers.py", "--block-kib", "64", "1024", "8192", "--repeat", "5"]
+    return shlex.join(command), run_json(command)
+
+
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
     "fs_steady": fs_steady,
@@ -130,6 +135,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "vllm_tiers": vllm_tiers,
     "loop_lag": loop_lag,
     "kvtier_bench": kvtier_bench,
+    "remote_tiers": remote_tiers,
 }
 
 

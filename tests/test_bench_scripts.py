@@ -214,5 +214,5 @@ def test_run_all_describes_the_machine() -> None:
     run_all = import_bench("run_all")
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
-    recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench"}
+    recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
     assert set(run_all.RECORDERS) == recorders

@@ -14,11 +14,13 @@ Where the time goes, and what we do about it (`bench/remote_tiers.py` measures i
 - A stored value goes out as two buffers, the header and the block straight from the
   primary tier (`ValuePieces`), never joined into one: redis-py would copy a `bytes` value
   once more on the event loop (hiredis packs every argument into one string), and joining
-  them would copy it on a worker thread. Only the checksum is computed, on a worker thread.
+  them would copy it on a worker thread. Only the checksum is computed.
 - A value over `READ_PIECE_BYTES` is read back as ranges of it (GETRANGE, in one pipeline):
   hiredis builds each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB.
-  The pieces are checked and copied into the primary tier on a worker thread, the GIL
-  released (`buffers`).
+  The pieces are checked and copied into the primary tier, the GIL released (`buffers`).
+- Checksums and copies of more than 1 MiB a call run on worker threads (`run_cpu`).
+- A store writes without asking first which keys the server holds, and the existence checks
+  of concurrent lookups share pipelines (`Coalescer`).
 
 Every server call is bounded by `timeout_s`, the wait for a place included: a server that is
 down or slow makes stores return False and loads miss, counted in stats, and the next call
@@ -53,10 +55,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_VALUE_BYTES = 512 << 20
 
 #: Values longer than this are read as ranges of at most this many bytes (a 1 MiB block whole).
-#: `bench/remote_tiers.py`, 8 MiB blocks on uvloop: loop lag during loads p99 ~2 ms read in
-#: 1 MiB ranges, 4-7 ms read whole, at the same throughput.
+#: Raw redis-py pipelines on uvloop, 8 MiB values, 256 MiB read at 8 pipelines at once: loop
+#: lag p99 1.7-2.2 ms read in 1 MiB ranges, 4.3-6.6 ms read whole, at the same throughput.
 READ_PIECE_BYTES = HEADER_BYTES + (1 << 20)
-
 
 #: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
 EXISTS_PER_PIPELINE = 1024
