@@ -52,6 +52,8 @@ __all__ = [
     "pack_header",
     "payload_checksum",
     "read_header",
+    "verify_block",
+    "verify_blocks",
     "verify_header",
 ]
 
@@ -147,6 +149,26 @@ def decode_pieces(pieces: Sequence[Any], into: memoryview, *, namespace: bytes, 
         copy_into(into[at:], view)
         at += view.nbytes
     return payload_checksum(into) == checksum
+
+
+def verify_block(header: Any, block: memoryview, *, namespace: bytes, key: bytes) -> bool:
+    """Whether a header read apart from its payload, and the payload read into `block`, are
+    a good block stored under `key`."""
+    try:
+        checksum = verify_header(header, namespace=namespace, key=key, payload_len=len(block))
+    except CorruptBlockError:
+        return False
+    return payload_checksum(block) == checksum
+
+
+def verify_blocks(
+    keys: Sequence[bytes], headers: Sequence[Any], blocks: Sequence[memoryview], namespace: bytes
+) -> list[bool]:
+    """`verify_block` for each block (blocking: a worker thread's work)."""
+    return [
+        verify_block(header, block, namespace=namespace, key=key)
+        for key, header, block in zip(keys, headers, blocks)
+    ]
 
 
 def decode_block(value: Any, into: memoryview, *, namespace: bytes, key: bytes) -> bool:

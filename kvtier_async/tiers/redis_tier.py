@@ -11,13 +11,15 @@ Where the time goes, and what we do about it (`bench/remote_tiers.py` measures i
 - At most `max_connections` pipelines are at the server at once (`ServerGate`); the rest wait
   their turn, loads first, within `timeout_s`. redis-py's pool raises the moment it runs out
   of connections instead of waiting, which a serving frontend's concurrency easily reaches.
-- A stored value goes out as two buffers, the header and the block straight from the
-  primary tier (`ValuePieces`), never joined into one: redis-py would copy a `bytes` value
-  once more on the event loop (hiredis packs every argument into one string), and joining
-  them would copy it on a worker thread. Only the checksum is computed.
-- A value over `READ_PIECE_BYTES` is read back as ranges of it (GETRANGE, in one pipeline):
-  hiredis builds each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB.
-  The pieces are checked and copied into the primary tier, the GIL released (`buffers`).
+- With a standalone server reached over TCP or a unix socket, blocks move through
+  connections of our own (`redis_direct.DirectConnections`): a load is read by the kernel
+  straight into the primary tier, where redis-py would copy each reply four times on the
+  event loop, and a store sends the header and the block's own memory. Only the checksum is
+  computed.
+- Elsewhere (a Cluster, TLS, a client passed in) redis-py carries the blocks: a stored value is
+  assembled in a new buffer first, the GIL released (`buffers`), and a value over
+  `READ_PIECE_BYTES` is read as ranges of it (GETRANGE, in one pipeline), since hiredis builds
+  each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB.
 - Checksums and copies of more than 1 MiB a call run on worker threads (`run_cpu`).
 - A store writes without asking first which keys the server holds, and the existence checks
   of concurrent lookups share pipelines (`Coalescer`).
@@ -32,20 +34,26 @@ or one whose `maxmemory` policy evicted a block, is read as it is (a miss).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.metadata
 import logging
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ..block_format import HEADER_BYTES, decode_blocks, encode_blocks, encode_headers, namespace_id
+from ..block_format import (
+    HEADER_BYTES,
+    decode_blocks,
+    encode_blocks,
+    encode_headers,
+    namespace_id,
+    verify_blocks,
+)
 from ..coalesce import Coalescer
 from ..errors import ConfigError
 from ..server_gate import ServerGate
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
+from .redis_direct import DirectConnections
 
 __all__ = ["RedisTier"]
 
@@ -61,68 +69,6 @@ READ_PIECE_BYTES = HEADER_BYTES + (1 << 20)
 
 #: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
 EXISTS_PER_PIPELINE = 1024
-
-
-class ValuePieces:
-    """One bulk-string argument sent as consecutive buffers, never joined (see `pack_command`)."""
-
-    __slots__ = ("nbytes", "pieces")
-
-    def __init__(self, *pieces: Any) -> None:
-        self.pieces = [memoryview(piece) for piece in pieces]
-        self.nbytes = sum(piece.nbytes for piece in self.pieces)
-
-    def release(self) -> None:
-        """Let go of the buffers: redis-py's pipeline, and an error raised through it, may keep
-        this object alive (in a reference cycle) long after the call, and with it a view of the
-        primary tier that its owner then could not unmap."""
-        for piece in self.pieces:
-            with contextlib.suppress(BufferError):
-                # Still exported: uvloop lets go of a written buffer in the loop iteration after
-                # the write completed, which may come after the reply was read. It is released
-                # then, with the last reference (a write cut short is dropped: `disconnect`).
-                piece.release()
-
-    def __repr__(self) -> str:  # redis-py may name a failed command's arguments in an error
-        return f"<{self.nbytes} bytes in {len(self.pieces)} pieces>"
-
-
-class _PiecesConnection:
-    """A redis-py asyncio connection class mixin: `ValuePieces` arguments go out as their buffers.
-
-    `pack_command` is redis-py's own extension point for the wire form of a command (its
-    hiredis packer is one); the rest of the command is framed as redis-py frames it.
-    """
-
-    def pack_command(self, *args: Any) -> list[Any]:
-        if not any(isinstance(arg, ValuePieces) for arg in args):
-            return super().pack_command(*args)  # type: ignore[misc, no-any-return]
-        encode = self.encoder.encode  # type: ignore[attr-defined]
-        out: list[Any] = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            if isinstance(arg, ValuePieces):
-                out.append(b"$%d\r\n" % arg.nbytes)
-                out.extend(arg.pieces)
-                out.append(b"\r\n")
-            else:
-                data = bytes(encode(arg))
-                out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-        return out
-
-    async def disconnect(self, *args: Any, **kwargs: Any) -> None:
-        # A write cut short (a timeout, a cancelled call) may leave pieces of the primary tier
-        # queued in the transport; a plain close would still send them later, and keep them
-        # referenced until then (the primary's owner could not unmap it). Drop them.
-        writer = getattr(self, "_writer", None)
-        if writer is not None and writer.transport.get_write_buffer_size():
-            writer.transport.abort()
-        await super().disconnect(*args, **kwargs)  # type: ignore[misc]
-
-
-@functools.cache
-def with_value_pieces(connection_class: Any) -> Any:
-    """`connection_class` (redis-py's TCP, TLS or unix-socket one) that sends `ValuePieces`."""
-    return type(f"Pieces{connection_class.__name__}", (_PiecesConnection, connection_class), {})
 
 
 def redact_url(url: str) -> str:
@@ -198,6 +144,7 @@ class RedisTier(SecondaryTierManager):
         self._max_connections = max_connections
         self._client = client
         self._owns_client = client is None
+        self._direct: DirectConnections | None = None  # set up when the tier opens, where it applies
         self._namespace = namespace_id(offloading_spec.namespace)
         self._name_prefix = f"{prefix}:{self._namespace.hex()}:".encode()
         self.gate = ServerGate(f"{tier_type}/server", max_connections, self.timeout_s)
@@ -219,6 +166,10 @@ class RedisTier(SecondaryTierManager):
             # On a worker thread: redis-py reads its package metadata from disk when it
             # builds a client, and again for each connection unless told its version.
             self._client = await self.run_blocking(self._make_client)
+            if not self.cluster and urlsplit(self._url).scheme in ("redis", "unix"):
+                from redis.asyncio.connection import parse_url
+
+                self._direct = DirectConnections(parse_url(self._url), self.timeout_s)
         await self.gate.call(self._check_value_limit())
 
     def _make_client(self) -> Any:
@@ -237,20 +188,12 @@ class RedisTier(SecondaryTierManager):
         if self.cluster:
             from redis.asyncio.cluster import RedisCluster
 
-            cluster = RedisCluster.from_url(self._url, **options)
-            # Every node's connections are made from these options, the nodes found later too.
-            kwargs = cluster.connection_kwargs
-            kwargs["connection_class"] = with_value_pieces(kwargs["connection_class"])
-            for node in cluster.startup_nodes:
-                node.connection_class = kwargs["connection_class"]
-            return cluster
+            return RedisCluster.from_url(self._url, **options)
         from redis.asyncio import BlockingConnectionPool, Redis
 
         # The gate keeps us within max_connections; a blocking pool waits rather than raise
         # should anything else take a connection meanwhile.
-        pool = BlockingConnectionPool.from_url(self._url, timeout=self.timeout_s, **options)
-        pool.connection_class = with_value_pieces(pool.connection_class)  # type: ignore[arg-type]
-        return Redis.from_pool(pool)
+        return Redis.from_pool(BlockingConnectionPool.from_url(self._url, timeout=self.timeout_s, **options))
 
     async def _check_value_limit(self) -> None:
         """A server configured for smaller values than our blocks would refuse every store."""
@@ -270,6 +213,8 @@ class RedisTier(SecondaryTierManager):
             )
 
     async def close_backend(self) -> None:
+        if self._direct is not None:
+            await self._direct.aclose()
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
@@ -277,25 +222,25 @@ class RedisTier(SecondaryTierManager):
     # -- the hooks -----------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
-        values: list[Any]
-        if self._owns_client:  # our connections send a value as its pieces
+        names = [self.value_name(key) for key in keys]
+        if not await self._ensure_open():
+            raise ConnectionError(f"redis tier {self.name!r}: the server at {self.where} is not reachable")
+        if self._direct is not None:  # the header, then the block's own memory
             nbytes = len(keys) * self.block_nbytes
             headers = await self.run_cpu(nbytes, encode_headers, list(keys), list(blocks), self._namespace)
-            values = [ValuePieces(header, block) for header, block in zip(headers, blocks)]
-        else:  # a client of someone else's sends what redis-py sends: one buffer
+            values = [[header, block] for header, block in zip(headers, blocks)]
+            replies = await self.gate.call(self._direct.set_from(names, values, self._ttl_ms))
+            stored = [reply == "OK" for reply in replies]
+        else:  # redis-py sends a value as one buffer
             nbytes = len(keys) * self.value_nbytes
-            values = await self.run_cpu(nbytes, encode_blocks, list(keys), list(blocks), self._namespace)
-        names = [self.value_name(key) for key in keys]
+            joined = await self.run_cpu(nbytes, encode_blocks, list(keys), list(blocks), self._namespace)
 
-        def send(pipe: Any) -> None:
-            for name, value in zip(names, values):
-                pipe.set(name, value, px=self._ttl_ms)
+            def send(pipe: Any) -> None:
+                for name, value in zip(names, joined):
+                    pipe.set(name, value, px=self._ttl_ms)
 
-        try:
             replies = await self._pipeline(send)
-        finally:
-            for value in values:
-                value.release()
+            stored = [reply is True for reply in replies]
         refused = [reply for reply in replies if isinstance(reply, Exception)]
         if refused:  # e.g. OOM under maxmemory-policy noeviction: the server answered, and said no
             self.counters["writes_refused"] += len(refused)
@@ -307,10 +252,14 @@ class RedisTier(SecondaryTierManager):
                 len(replies),
                 str(refused[0]),
             )
-        return [reply is True for reply in replies]
+        return stored
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
+        if not await self._ensure_open():
+            raise ConnectionError(f"redis tier {self.name!r}: the server at {self.where} is not reachable")
+        if self._direct is not None:
+            return await self._read_direct(keys, blocks)
         names = [self.value_name(key) for key in keys]
         ranges = self._read_ranges
 
@@ -333,6 +282,31 @@ class RedisTier(SecondaryTierManager):
         self.counters["corrupt_blocks"] += sum(
             1 for pieces, good in zip(values, ok) if not good and any(p is not None for p in pieces)
         )
+        return ok
+
+    async def _read_direct(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        """Each value's header into a buffer of its own, its payload straight into the block."""
+        assert self._direct is not None
+        headers = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
+        targets = [[header, block] for header, block in zip(headers, blocks)]
+        names = [self.value_name(key) for key in keys]
+        replies = await self.gate.call(self._direct.get_into(names, targets))
+        # True: the value landed whole. False: a value of another length (not one of ours).
+        # None: no such value. An error (a value of another type): not ours either, a miss.
+        landed = [i for i, reply in enumerate(replies) if reply is True]
+        nbytes = len(landed) * self.block_nbytes
+        good = await self.run_cpu(
+            nbytes,
+            verify_blocks,
+            [keys[i] for i in landed],
+            [headers[i] for i in landed],
+            [blocks[i] for i in landed],
+            self._namespace,
+        )
+        ok = [False] * len(keys)
+        for i, g in zip(landed, good):
+            ok[i] = g
+        self.counters["corrupt_blocks"] += sum(1 for g in good if not g) + sum(r is False for r in replies)
         return ok
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
