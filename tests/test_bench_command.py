@@ -36,7 +36,8 @@ def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixt
         assert case["exact"] is True and case["load_hits"] == case["blocks"] == case["stored_blocks"]
         assert set(case["store"]) == set(case["load"]) == RATES
         assert {"p50_ms", "p99_ms", "max_ms", "full_gcs"} <= set(case["loop_lag"])
-        assert set(case["baseline"]) == {"what", "store", "load"}
+        assert set(case["baseline"]) == {"what", "store", "load", "loop_lag"}
+        assert "raw baseline: p99" in table
         assert case["store_ratio"] == pytest.approx(case["store"]["gbps"] / case["baseline"]["store"]["gbps"])
         assert case["load_ratio"] > 0
     for pipe in result["pipelines"]:
