@@ -235,6 +235,30 @@ def test_a_block_larger_than_redis_accepts_is_refused_at_construction() -> None:
         buffer.close()
 
 
+async def store_in_batches(tier: Any, primary: kt.PrimaryTier, keys: list[bytes]) -> dict[bytes, bytes]:
+    """Store `keys` 8 at a time (each batch must be stored); returns each key's bytes."""
+    payloads: dict[bytes, bytes] = {}
+    for start in range(0, len(keys), 8):
+        batch = keys[start : start + 8]
+        payloads.update(zip(batch, scenarios.fill(primary, list(range(8)), seed=start)))
+        assert await tier.store(batch, list(range(8))) == [True] * 8
+    return payloads
+
+
+async def load_exact(
+    tier: Any, primary: kt.PrimaryTier, keys: list[bytes], payloads: dict[bytes, bytes]
+) -> int:
+    """Load `keys` 8 at a time; every block that hits must hold exactly its bytes. Returns the hits."""
+    hits = 0
+    for start in range(0, len(keys), 8):
+        loaded = await tier.load(keys[start : start + 8], list(range(8, 16)))
+        for slot, key, ok in zip(range(8, 16), keys[start : start + 8], loaded):
+            if ok:
+                hits += 1
+                assert bytes(primary.slot_view(slot)) == payloads[key]
+    return hits
+
+
 @pytest.mark.asyncio
 async def test_blocks_evicted_under_maxmemory_are_counted_misses(tmp_path: Path) -> None:
     # A fleet's Redis runs with a memory bound and an eviction policy: evicted blocks are misses,
@@ -247,20 +271,8 @@ async def test_blocks_evicted_under_maxmemory_are_counted_misses(tmp_path: Path)
         tier, primary = scenarios.make_tier(config(server.url))
         async with tier:
             keys = [make_key(i, b"evict") for i in range(512)]  # ~4 MiB of blocks: twice what fits
-            payloads: dict[bytes, bytes] = {}
-            for start in range(0, len(keys), 8):
-                for key, data in zip(
-                    keys[start : start + 8], scenarios.fill(primary, list(range(8)), seed=start)
-                ):
-                    payloads[key] = data
-                assert await tier.store(keys[start : start + 8], list(range(8))) == [True] * 8
-            hits = 0
-            for start in range(0, len(keys), 8):
-                loaded = await tier.load(keys[start : start + 8], list(range(8, 16)))
-                for slot, key, ok in zip(range(8, 16), keys[start : start + 8], loaded):
-                    if ok:
-                        hits += 1
-                        assert bytes(primary.slot_view(slot)) == payloads[key]
+            payloads = await store_in_batches(tier, primary, keys)
+            hits = await load_exact(tier, primary, keys, payloads)
             stats = tier.stats()
         assert 0 < hits < len(keys)
         assert (stats["load_hits"], stats["load_misses"]) == (hits, len(keys) - hits)
@@ -316,34 +328,17 @@ async def test_a_cluster_master_killed_fails_over_to_its_replica(tmp_path: Path)
         tier.fault_breaker.clock = clock  # the test skips the breaker's cool-downs
         async with tier:
             keys = [make_key(i, b"failover") for i in range(64)]
-            payloads: dict[bytes, bytes] = {}
-            for start in range(0, len(keys), 8):
-                for key, data in zip(
-                    keys[start : start + 8], scenarios.fill(primary, list(range(8)), seed=start)
-                ):
-                    payloads[key] = data
-                assert await tier.store(keys[start : start + 8], list(range(8))) == [True] * 8
+            payloads = await store_in_batches(tier, primary, keys)
             await asyncio.to_thread(cluster.wait_replicated)
             victim = (await asyncio.to_thread(cluster.masters))[0]
             (replica,) = await asyncio.to_thread(cluster.replicas_of, victim)
-
-            async def load_all() -> int:
-                """Loads every block; each one that hits must be exact. Returns the hits."""
-                hits = 0
-                for start in range(0, len(keys), 8):
-                    loaded = await tier.load(keys[start : start + 8], list(range(8, 16)))
-                    for slot, key, ok in zip(range(8, 16), keys[start : start + 8], loaded):
-                        if ok:
-                            hits += 1
-                            assert bytes(primary.slot_view(slot)) == payloads[key]
-                return hits
-
             await asyncio.to_thread(victim.stop)
-            assert await load_all() < len(keys)  # the dead master's blocks cannot be read now
+            # the dead master's blocks cannot be read now
+            assert await load_exact(tier, primary, keys, payloads) < len(keys)
             await asyncio.to_thread(cluster.wait_promoted, replica)
             for _attempt in range(50):  # the client finds the new topology within a few calls
                 clock.now += 60.0
-                if await load_all() == len(keys):
+                if await load_exact(tier, primary, keys, payloads) == len(keys):
                     break
             else:
                 pytest.fail(f"blocks still missing after the failover: {tier.stats()}")
