@@ -53,7 +53,6 @@ __all__ = [
     "payload_checksum",
     "read_header",
     "verify_block",
-    "verify_blocks",
     "verify_header",
 ]
 
@@ -159,16 +158,6 @@ def verify_block(header: Any, block: memoryview, *, namespace: bytes, key: bytes
     except CorruptBlockError:
         return False
     return payload_checksum(block) == checksum
-
-
-def verify_blocks(
-    keys: Sequence[bytes], headers: Sequence[Any], blocks: Sequence[memoryview], namespace: bytes
-) -> list[bool]:
-    """`verify_block` for each block (blocking: a worker thread's work)."""
-    return [
-        verify_block(header, block, namespace=namespace, key=key)
-        for key, header, block in zip(keys, headers, blocks)
-    ]
 
 
 def decode_block(value: Any, into: memoryview, *, namespace: bytes, key: bytes) -> bool:

@@ -34,6 +34,7 @@ or one whose `maxmemory` policy evicted a block, is read as it is (a miss).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 from collections.abc import Sequence
@@ -46,13 +47,13 @@ from ..block_format import (
     encode_blocks,
     encode_headers,
     namespace_id,
-    verify_blocks,
+    verify_block,
 )
 from ..coalesce import Coalescer
 from ..errors import ConfigError
 from ..server_gate import ServerGate
 from ..spec import OffloadingSpec
-from ..tier import SecondaryTierManager
+from ..tier import INLINE_CPU_BYTES, SecondaryTierManager
 from .redis_direct import DirectConnections
 
 __all__ = ["RedisTier"]
@@ -293,20 +294,22 @@ class RedisTier(SecondaryTierManager):
         replies = await self.gate.call(self._direct.get_into(names, targets))
         # True: the value landed whole. False: a value of another length (not one of ours).
         # None: no such value. An error (a value of another type): not ours either, a miss.
-        landed = [i for i, reply in enumerate(replies) if reply is True]
-        nbytes = len(landed) * self.block_nbytes
-        good = await self.run_cpu(
-            nbytes,
-            verify_blocks,
-            [keys[i] for i in landed],
-            [headers[i] for i in landed],
-            [blocks[i] for i in landed],
-            self._namespace,
-        )
+        # Only a checksum per block is left (xxh3 releases the GIL): on the loop, yielding after
+        # each MiB, which lags it less than a worker thread would. A probe, 5 rounds of 128 MiB:
+        # load lag p99 0.9 ms (1 MiB blocks) and 2.4-2.7 ms (8 MiB) so, 2.2 and 2.9-3.8 ms on a
+        # worker, at the same throughput.
         ok = [False] * len(keys)
-        for i, g in zip(landed, good):
-            ok[i] = g
-        self.counters["corrupt_blocks"] += sum(1 for g in good if not g) + sum(r is False for r in replies)
+        hashed = 0
+        for i, reply in enumerate(replies):
+            if reply is not True:
+                continue
+            ok[i] = verify_block(headers[i], blocks[i], namespace=self._namespace, key=keys[i])
+            hashed += self.block_nbytes
+            if hashed >= INLINE_CPU_BYTES:
+                hashed = 0
+                await asyncio.sleep(0)
+        self.counters["corrupt_blocks"] += sum(r is True and not g for r, g in zip(replies, ok))
+        self.counters["corrupt_blocks"] += sum(r is False for r in replies)
         return ok
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
