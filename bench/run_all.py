@@ -124,7 +124,7 @@ def kvtier_bench(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def remote_tiers(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/remote_tiers.py", "--block-kib", "64", "1024", "8192", "--repeat", "5"]
+    command = [PY, "bench/remote_tiers.py", "--block-kib", "64", "1024", "8192", "--repeat", "8"]
     return shlex.join(command), run_json(command)
 
 

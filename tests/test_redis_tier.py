@@ -167,6 +167,20 @@ async def test_a_server_down_is_counted_every_time_and_logged_once(caplog: pytes
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("send_buffer_bytes", [None, 64 << 10])
+async def test_blocks_round_trip_at_any_send_buffer(
+    redis_server: servers.RedisServer, send_buffer_bytes: int | None
+) -> None:
+    tier, primary = scenarios.make_tier(config(redis_server.url, send_buffer_bytes=send_buffer_bytes))
+    async with tier:
+        keys = [make_key(i, b"sndbuf") for i in range(8)]
+        payloads = scenarios.fill(primary, list(range(8)), seed=8)
+        assert await tier.store(keys, list(range(8))) == [True] * 8
+        assert await tier.load(keys, list(range(8, 16))) == [True] * 8
+        assert [bytes(primary.slot_view(s)) for s in range(8, 16)] == payloads
+
+
+@pytest.mark.asyncio
 async def test_a_unix_socket_url(tmp_path: Path) -> None:
     socket_path = tmp_path / "redis.sock"
     server = servers.RedisServer(tmp_path / "redis", None, "--unixsocket", str(socket_path))
@@ -219,6 +233,8 @@ def test_bad_config_is_refused_before_anything_starts() -> None:
         ({"ttl_s": 0}, "ttl_s"),
         ({"timeout_s": -1}, "timeout_s"),
         ({"max_connections": 0}, "max_connections"),
+        ({"send_buffer_bytes": 100}, "send_buffer_bytes"),
+        ({"send_buffer_bytes": "big"}, "send_buffer_bytes"),
         ({"prefix": ""}, "prefix"),
     ]:
         with pytest.raises(kt.ConfigError, match=message):

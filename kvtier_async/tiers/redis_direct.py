@@ -34,10 +34,12 @@ __all__ = ["DirectConnections", "ReplyProtocol", "ServerError"]
 #: Bytes of reply lines (and of payload that arrives with them) read at once.
 LINE_BUFFER = 64 << 10
 
-#: The socket's send buffer (SO_SNDBUF). The event loop copies a store's bytes into the kernel
-#: itself, up to the send buffer's room in one call; Linux lets that grow to 4 MiB, a call that
-#: holds the loop for milliseconds. 1 and 8 MiB blocks, 128 MiB stored in 4 rounds, 4 runs each:
-#: loop lag p99 1.0-1.3 ms with 256 KiB, 1.8-5.6 ms without, at the same or better throughput.
+#: The socket's send buffer (SO_SNDBUF) by default. The event loop copies a store's bytes into
+#: the kernel itself, up to the send buffer's room in one call; Linux lets that grow to 4 MiB, a
+#: call that holds the loop for milliseconds. 1 and 8 MiB blocks, 128 MiB stored in 4 rounds, 4
+#: runs each: loop lag p99 1.0-1.3 ms with 256 KiB, 1.8-5.6 ms without, at the same or better
+#: throughput. The kernel keeps twice this in flight, so one connection moves at most about
+#: 512 KiB per round trip: plenty within a data centre, too little across a slow link.
 SEND_BUFFER_BYTES = 256 << 10
 
 
@@ -240,7 +242,10 @@ class DirectConnections:
     each goes back to the pool after a pipeline that went through, and is aborted otherwise.
     """
 
-    def __init__(self, url_options: Any, connect_timeout_s: float) -> None:
+    def __init__(
+        self, url_options: Any, connect_timeout_s: float, send_buffer_bytes: int | None = SEND_BUFFER_BYTES
+    ) -> None:
+        self._send_buffer_bytes = send_buffer_bytes
         self._options = url_options
         self._connect_timeout_s = connect_timeout_s
         self._idle: list[ReplyProtocol] = []
@@ -312,10 +317,11 @@ class DirectConnections:
             )
         transport, connection = await asyncio.wait_for(connecting, self._connect_timeout_s)
         self._open.add(connection)
-        with contextlib.suppress(OSError, AttributeError):  # a socket that cannot: its default
-            transport.get_extra_info("socket").setsockopt(
-                socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES
-            )
+        if self._send_buffer_bytes is not None:  # None: the kernel's own sizing
+            with contextlib.suppress(OSError, AttributeError):  # a socket that cannot: its default
+                transport.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, self._send_buffer_bytes
+                )
         try:
             hello = []
             if options.get("password") is not None:
