@@ -6,8 +6,9 @@ payload); the namespace id (BLAKE2b-128 of the namespace, as in the fs tier)
 keeps any namespace string a safe path segment. A batch becomes concurrent
 PUT / GET / HEAD requests, at most `max_requests` of the tier's at the server at once
 (`ServerGate`: the rest wait their turn, loads first; a small server drops connections past
-its backlog, and a large one throttles); checksums are computed and checked, and values copied,
-on worker threads with the GIL released (`buffers`), so the event loop never waits for them.
+its backlog, and a large one throttles). A store does not ask first which blocks the bucket
+holds. Each block's value is copied and checksummed between its own requests, with the GIL
+released (`buffers`), on a worker thread past 1 MiB (`run_cpu`).
 obstore retries with exponential backoff (throttling answers such as 503 SlowDown too), and
 both the retries and a hard bound on each request, its wait for a place included, stay within
 `timeout_s`: a KV load must not wait minutes. A store that is down or slow makes stores return
