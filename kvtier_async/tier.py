@@ -56,6 +56,19 @@ T = TypeVar("T")
 INLINE_CPU_BYTES = 1 << 20
 
 
+def _clear_frames(error: BaseException) -> None:
+    """Clear the locals of every finished frame in `error`'s tracebacks, its causes' too."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        pending += [exc.__cause__, exc.__context__]
+
+
 class SecondaryTierManager(AsyncResource):
     """Async store / load / lookup of primary-tier slots to and from one secondary tier.
 
@@ -518,8 +531,9 @@ class SecondaryTierManager(AsyncResource):
             self.fault_log.warning((what, type(exc)), "tier %r: %s failed", self.name, what, exc_info=True)
             # The error may outlive this call (redis-py's dead connection keeps the one it died of)
             # and its traceback holds the hook's frames, whose locals are views of the primary
-            # memory: vLLM could then not unmap its /dev/shm region at shutdown. Drop them.
-            traceback.clear_frames(exc.__traceback__)
+            # memory: vLLM could then not unmap its /dev/shm region at shutdown. Drop them, and
+            # those of the errors it was raised from or while handling.
+            _clear_frames(exc)
             return [False] * n
         except BaseException:  # cancelled: no answer
             self.fault_breaker.left(entered)

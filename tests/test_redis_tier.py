@@ -167,11 +167,11 @@ async def test_a_server_down_is_counted_every_time_and_logged_once(caplog: pytes
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("send_buffer_bytes", [None, 64 << 10])
+@pytest.mark.parametrize("socket_buffer_bytes", [None, 64 << 10])
 async def test_blocks_round_trip_at_any_send_buffer(
-    redis_server: servers.RedisServer, send_buffer_bytes: int | None
+    redis_server: servers.RedisServer, socket_buffer_bytes: int | None
 ) -> None:
-    tier, primary = scenarios.make_tier(config(redis_server.url, send_buffer_bytes=send_buffer_bytes))
+    tier, primary = scenarios.make_tier(config(redis_server.url, socket_buffer_bytes=socket_buffer_bytes))
     async with tier:
         keys = [make_key(i, b"sndbuf") for i in range(8)]
         payloads = scenarios.fill(primary, list(range(8)), seed=8)
@@ -233,8 +233,8 @@ def test_bad_config_is_refused_before_anything_starts() -> None:
         ({"ttl_s": 0}, "ttl_s"),
         ({"timeout_s": -1}, "timeout_s"),
         ({"max_connections": 0}, "max_connections"),
-        ({"send_buffer_bytes": 100}, "send_buffer_bytes"),
-        ({"send_buffer_bytes": "big"}, "send_buffer_bytes"),
+        ({"socket_buffer_bytes": 100}, "socket_buffer_bytes"),
+        ({"socket_buffer_bytes": "big"}, "socket_buffer_bytes"),
         ({"prefix": ""}, "prefix"),
     ]:
         with pytest.raises(kt.ConfigError, match=message):

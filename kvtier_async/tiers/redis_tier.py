@@ -54,7 +54,7 @@ from ..errors import ConfigError
 from ..server_gate import ServerGate
 from ..spec import OffloadingSpec
 from ..tier import INLINE_CPU_BYTES, SecondaryTierManager
-from .redis_direct import SEND_BUFFER_BYTES, DirectConnections
+from .redis_direct import SOCKET_BUFFER_BYTES, DirectConnections
 
 __all__ = ["RedisTier"]
 
@@ -116,7 +116,7 @@ class RedisTier(SecondaryTierManager):
         ttl_s: float | None = None,
         timeout_s: float = 2.0,
         max_connections: int = 32,
-        send_buffer_bytes: int | None = SEND_BUFFER_BYTES,
+        socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES,
         client: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
@@ -132,15 +132,15 @@ class RedisTier(SecondaryTierManager):
         _positive_number("timeout_s", timeout_s)
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ConfigError(f"redis tier: max_connections must be an int >= 1, got {max_connections!r}")
-        if send_buffer_bytes is not None and (
-            isinstance(send_buffer_bytes, bool)
-            or not isinstance(send_buffer_bytes, int)
-            or send_buffer_bytes < 4096
+        if socket_buffer_bytes is not None and (
+            isinstance(socket_buffer_bytes, bool)
+            or not isinstance(socket_buffer_bytes, int)
+            or socket_buffer_bytes < 4096
         ):
             raise ConfigError(
-                f"redis tier: send_buffer_bytes must be an int >= 4096 or None, got {send_buffer_bytes!r}"
+                f"redis tier: socket_buffer_bytes must be an int >= 4096 or None, got {socket_buffer_bytes!r}"
             )
-        self._send_buffer_bytes = send_buffer_bytes
+        self._socket_buffer_bytes = socket_buffer_bytes
         self.value_nbytes = HEADER_BYTES + self.block_nbytes
         if self.value_nbytes > DEFAULT_MAX_VALUE_BYTES:
             raise ConfigError(
@@ -181,7 +181,7 @@ class RedisTier(SecondaryTierManager):
                 from redis.asyncio.connection import parse_url
 
                 self._direct = DirectConnections(
-                    parse_url(self._url), self.timeout_s, self._send_buffer_bytes
+                    parse_url(self._url), self.timeout_s, self._socket_buffer_bytes
                 )
         await self.gate.call(self._check_value_limit())
 
