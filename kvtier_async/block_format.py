@@ -77,14 +77,19 @@ def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def pack_header(into: memoryview, *, namespace: bytes, key: bytes, payload_len: int, checksum: int) -> None:
-    """Write a header into `into` (at least HEADER_BYTES long; the rest is zeroed)."""
+def _header_bytes(*, namespace: bytes, key: bytes, payload_len: int, checksum: int) -> bytes:
+    """The HEADER_BYTES of a header."""
     if not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
     fields = _FIELDS.pack(MAGIC, VERSION, len(key), 0, namespace, payload_len, checksum, key)
-    into[:_CHECKED] = fields
-    into[_CHECKED : _CHECKED + 8] = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
-    into[_CHECKED + 8 : HEADER_BYTES] = bytes(HEADER_BYTES - _CHECKED - 8)
+    return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields)) + _PADDING
+
+
+def pack_header(into: memoryview, *, namespace: bytes, key: bytes, payload_len: int, checksum: int) -> None:
+    """Write a header into `into` (at least HEADER_BYTES long)."""
+    into[:HEADER_BYTES] = _header_bytes(
+        namespace=namespace, key=key, payload_len=payload_len, checksum=checksum
+    )
 
 
 def read_header(header: memoryview | bytes) -> tuple[bytes, bytes, int, int]:
@@ -111,22 +116,16 @@ def verify_header(header: memoryview | bytes, *, namespace: bytes, key: bytes, p
 
 def encode_header(payload: memoryview, *, namespace: bytes, key: bytes) -> bytes:
     """The header of `payload` stored under `key`: the value is this, then the payload."""
-    if not 1 <= len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
-    fields = _FIELDS.pack(
-        MAGIC, VERSION, len(key), 0, namespace, len(payload), payload_checksum(payload), key
+    return _header_bytes(
+        namespace=namespace, key=key, payload_len=len(payload), checksum=payload_checksum(payload)
     )
-    return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields)) + _PADDING
 
 
 def encode_block(payload: memoryview, *, namespace: bytes, key: bytes) -> memoryview:
     """Header and payload as one value (a new buffer), for tiers that store a block under a name."""
     value = new_buffer(HEADER_BYTES + len(payload))
     copy_into(value[HEADER_BYTES:], payload)
-    checksum = payload_checksum(value[HEADER_BYTES:])
-    pack_header(
-        value[:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(payload), checksum=checksum
-    )
+    copy_into(value, encode_header(value[HEADER_BYTES:], namespace=namespace, key=key))  # of the copy
     return value
 
 
@@ -139,15 +138,11 @@ def decode_pieces(pieces: Sequence[Any], into: memoryview, *, namespace: bytes, 
     views = [memoryview(piece).cast("B") for piece in pieces]
     if sum(view.nbytes for view in views) != HEADER_BYTES + len(into) or views[0].nbytes < HEADER_BYTES:
         return False
-    try:
-        checksum = verify_header(views[0][:HEADER_BYTES], namespace=namespace, key=key, payload_len=len(into))
-    except CorruptBlockError:
-        return False
     at = 0
     for view in [views[0][HEADER_BYTES:], *views[1:]]:
         copy_into(into[at:], view)
         at += view.nbytes
-    return payload_checksum(into) == checksum
+    return verify_block(views[0][:HEADER_BYTES], into, namespace=namespace, key=key)
 
 
 def verify_block(header: Any, block: memoryview, *, namespace: bytes, key: bytes) -> bool:
