@@ -406,7 +406,10 @@ def remote_section() -> list[str]:
         "client; a store costs a checksum per block more than the raw client's. The S3 tier",
         "copies each block once (into or out of the value with its header) and checksums it, on",
         "worker threads. The lag lines set the loop's lag during each tier's store and load",
-        "(the largest blocks) beside its lag during the raw client's.",
+        "(the largest blocks) beside its lag during the raw client's, and split each p99: the",
+        "time the loop's thread was ready but waited for a CPU (Linux schedstat; here the CPUs",
+        "go to the server, moto taking more than one of the two cores during S3 stores), and the",
+        "rest, the loop busy with its own work or waiting for the GIL.",
         "",
         *bench_table(record),
     ]

@@ -35,9 +35,12 @@ def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixt
     for case in result["cases"]:
         assert case["exact"] is True and case["load_hits"] == case["blocks"] == case["stored_blocks"]
         assert set(case["store"]) == set(case["load"]) == RATES
-        assert {"p50_ms", "p99_ms", "max_ms", "full_gcs"} <= set(case["loop_lag"])
+        lag = case["loop_lag"]
+        assert {"p50_ms", "p99_ms", "max_ms", "full_gcs", "cpu_wait_p99_ms", "busy_p99_ms"} <= set(lag)
+        # The lag splits into the wait for a CPU and the loop's own work: neither part exceeds it.
+        assert 0 <= lag["busy_p99_ms"] <= lag["max_ms"] and 0 <= lag["cpu_wait_p99_ms"]
         assert set(case["baseline"]) == {"what", "store", "load", "loop_lag"}
-        assert "raw baseline: p99" in table
+        assert "raw baseline: p99" in table and "waiting for a CPU" in table
         assert case["store_ratio"] == pytest.approx(case["store"]["gbps"] / case["baseline"]["store"]["gbps"])
         assert case["load_ratio"] > 0
     for pipe in result["pipelines"]:
