@@ -38,7 +38,7 @@ def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixt
         lag = case["loop_lag"]
         assert {"p50_ms", "p99_ms", "max_ms", "full_gcs", "cpu_wait_p99_ms", "busy_p99_ms"} <= set(lag)
         # The lag splits into the wait for a CPU and the loop's own work: neither part exceeds it.
-        assert 0 <= lag["busy_p99_ms"] <= lag["max_ms"] and 0 <= lag["cpu_wait_p99_ms"]
+        assert 0 <= lag["busy_p99_ms"] <= lag["max_ms"] and lag["cpu_wait_p99_ms"] >= 0
         assert set(case["baseline"]) == {"what", "store", "load", "loop_lag"}
         assert "raw baseline: p99" in table and "waiting for a CPU" in table
         assert case["store_ratio"] == pytest.approx(case["store"]["gbps"] / case["baseline"]["store"]["gbps"])

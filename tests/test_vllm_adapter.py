@@ -351,7 +351,7 @@ def test_the_documented_configs_run_through_vllm(
 
 def on_loop(adapter: KVTierSecondaryTier, work: Any) -> Any:
     """Run a coroutine on the adapter's loop, where its tier lives, and wait for it."""
-    return asyncio.run_coroutine_threadsafe(work, adapter._loop).result()
+    return asyncio.run_coroutine_threadsafe(work, adapter._bridge.loop).result()
 
 
 async def close_gate(gate: asyncio.Event) -> None:
@@ -399,7 +399,7 @@ def test_shutdown_with_a_store_stuck_cancels_it_and_still_unmaps(monkeypatch: py
     on_loop(adapter, probe.until(lambda: probe.held["write"] == 1))
     assert engine.shutdown() == []
     assert [r.success for r in adapter.get_finished_jobs()] == [False]  # reported, as a failure
-    assert not adapter._thread.is_alive()
+    assert not adapter._bridge.running
     with pytest.raises(kt.ClosedError):
         adapter.lookup(chunk_keys(11, 1)[0], ctx)
     adapter.shutdown()  # twice is harmless

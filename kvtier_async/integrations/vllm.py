@@ -10,9 +10,10 @@ out-of-tree tier from the connector's extra config::
 
 `KVTierSecondaryTier` subclasses vLLM's own `SecondaryTierManager` and runs the
 kvtier tier named by `"tier"` on a private event loop (uvloop when installed) on
-a daemon thread. vLLM calls it synchronously from its scheduler, under the
-manager's lock, and nothing here blocks that thread on I/O: jobs become tasks on
-the loop and come back through `get_finished_jobs`; `lookup` answers from what
+a daemon thread (`bridge.LoopThread`, shared by every integration). vLLM calls
+it synchronously from its scheduler, under the manager's lock, and nothing here
+blocks that thread on I/O: jobs become tasks on the loop and come back through
+`get_finished_jobs`; `lookup` answers from what
 this process stored or was told, and otherwise queues the key for one batched
 existence check (sent at the end of the step) and answers RETRY until it is back.
 Only `drain_jobs` and `shutdown` wait, as vLLM's contract says they must.
@@ -55,6 +56,7 @@ from ..factory import SecondaryTierFactory
 from ..keys import check_block_ids, check_keys, check_lengths
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
+from .bridge import LoopThread
 
 __all__ = ["METRICS", "KVTierSecondaryTier"]
 
@@ -99,14 +101,6 @@ _GAUGES = {
 }
 #: The Prometheus metrics `KVTierSecondaryTier` reports through vLLM, by our counter name.
 METRICS = {name: f"kvtier:{name}" for name in (*_COUNTERS, *_GAUGES)}
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 class KVTierSecondaryTier(SecondaryTierManager):
@@ -178,13 +172,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._reported: dict[str, int] = {}  # counters already reported by get_stats
         self._gauges: dict[str, int] = {}  # refreshed on the loop thread as jobs finish
         self._tasks: dict[int, asyncio.Task[JobResult]] = {}  # loop thread only
-        self._loop = _new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm", daemon=True)
-        self._thread.start()
+        self._bridge = LoopThread("kvtier-vllm")
         try:
-            self._tier: KVTier = self._call(self._open(tier))
+            self._tier: KVTier = self._bridge.call(self._open(tier))
         except BaseException:
-            self._stop_loop()
+            self._bridge.stop()
             raise
 
     async def _open(self, config: Mapping[str, Any]) -> KVTier:
@@ -247,10 +239,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
             if not keys or self._closed:
                 return
             self._checks_in_flight += 1
-        self._loop.call_soon_threadsafe(self._start_check, keys)
+        self._bridge.call_soon(self._start_check, keys)
 
     def _start_check(self, keys: list[bytes]) -> None:
-        task = self._loop.create_task(self._tier.lookup_each(keys))
+        task = self._bridge.loop.create_task(self._tier.lookup_each(keys))
         task.add_done_callback(lambda done: self._check_done(keys, done))
 
     def _check_done(self, keys: list[bytes], task: asyncio.Task[list[bool]]) -> None:
@@ -362,12 +354,12 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def _start(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
         with self._lock:
             self._pending_jobs.add(job_id)
-        self._loop.call_soon_threadsafe(self._start_job, job_id, work)
+        self._bridge.call_soon(self._start_job, job_id, work)
 
     def _start_job(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
         # On the loop thread. The result is recorded when the task has really ended, never
         # earlier: until then its I/O may still touch the job's primary rows.
-        task = self._loop.create_task(work)
+        task = self._bridge.loop.create_task(work)
         self._tasks[job_id] = task
         task.add_done_callback(lambda done: self._job_done(job_id, done))
 
@@ -476,10 +468,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 return
             self._closed = True
         try:
-            if self._thread.is_alive():
-                self._call(self._close())
+            if self._bridge.running:
+                self._bridge.call(self._close())
         finally:
-            self._stop_loop()
+            self._bridge.stop()
             with self._lock:
                 # Results of jobs that never started (the loop was gone); none touches memory now.
                 for job_id in self._pending_jobs:
@@ -496,16 +488,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 log.warning("kvtier vLLM tier: cancelled %d jobs still running at shutdown", len(running))
                 await asyncio.wait(running)
         await self._tier.aclose()
-
-    def _stop_loop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._loop.close()
-
-    def _call(self, work: Coroutine[Any, Any, Any]) -> Any:
-        """Run `work` on the loop and wait for it (start-up and shutdown only)."""
-        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
     def _check_open(self) -> None:
         if self._closed:

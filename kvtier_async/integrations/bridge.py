@@ -1,0 +1,88 @@
+"""`LoopThread`: the one bridge from an engine's threads to kvtier's event loop.
+
+Engines (vLLM's scheduler, SGLang's cache-controller threads, LMCache's
+controllers) call their storage plug-ins synchronously, from threads of their
+own, often several at once. kvtier's tiers are asyncio objects that belong to
+one event loop. Each integration therefore owns a private loop (uvloop when
+installed) running on a daemon thread, and engine threads reach it only here:
+`call` runs a coroutine there and waits for its result, `submit` starts one and
+returns a `concurrent.futures.Future`, `call_soon` hands over a plain callback.
+
+A coroutine started here runs to its end on the loop even if the thread that
+waits for it gives up: tiers write into and read from the engine's memory, and
+only the loop knows when that has stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from ..errors import ClosedError
+
+__all__ = ["LoopThread"]
+
+T = TypeVar("T")
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class LoopThread:
+    """An event loop running on a daemon thread named `name`, started at once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = _new_loop()
+        self._lock = threading.Lock()  # orders submissions against stop()
+        self._stopped = False
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `work` on the loop; its future, for any thread. Raises `ClosedError` once stopped."""
+        with self._lock:
+            if self._stopped:
+                work.close()  # never started: no "coroutine was never awaited" warning
+                raise ClosedError(f"{self.name}: the event-loop thread is stopped")
+            return asyncio.run_coroutine_threadsafe(work, self.loop)
+
+    def call(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` on the loop and wait for its result (or exception) on this thread."""
+        if threading.current_thread() is self._thread:
+            work.close()
+            raise RuntimeError(f"{self.name}: call() from the loop's own thread would wait forever")
+        return self.submit(work).result()
+
+    def call_soon(self, callback: Callable[..., object], *args: Any) -> None:
+        """Run `callback(*args)` on the loop thread, soon; ignored once stopped."""
+        with self._lock:
+            if not self._stopped:
+                self.loop.call_soon_threadsafe(callback, *args)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def stop(self) -> None:
+        """Stop the loop after what it is running now, join the thread, close the loop. Idempotent.
+
+        Tasks still pending are dropped with the loop: callers finish or cancel their own work
+        (with `call`) before they stop the thread."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if self._thread.is_alive():
+                self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+            self.loop.close()

@@ -1,0 +1,82 @@
+"""`LoopThread`: engine threads reaching kvtier's event loop (the bridge every integration uses)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+
+import pytest
+
+from kvtier_async.errors import ClosedError
+from kvtier_async.integrations.bridge import LoopThread
+
+
+async def where_am_i() -> str:
+    await asyncio.sleep(0)
+    return threading.current_thread().name
+
+
+async def fail() -> None:
+    raise ValueError("from the loop")
+
+
+def test_call_runs_on_the_loop_thread_and_returns_or_raises() -> None:
+    bridge = LoopThread("kvtier-test-bridge")
+    try:
+        assert bridge.call(where_am_i()) == "kvtier-test-bridge"
+        with pytest.raises(ValueError, match="from the loop"):
+            bridge.call(fail())
+    finally:
+        bridge.stop()
+
+
+def test_many_threads_call_at_once_and_each_gets_its_own_answer() -> None:
+    bridge = LoopThread("kvtier-test-bridge")
+    results: dict[int, int] = {}
+
+    async def double(n: int) -> int:
+        await asyncio.sleep(0)
+        return 2 * n
+
+    def caller(n: int) -> None:
+        for i in range(50):
+            assert bridge.call(double(n * 1000 + i)) == 2 * (n * 1000 + i)
+        results[n] = n
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(8)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        bridge.stop()
+    assert sorted(results) == list(range(8))
+
+
+def test_call_from_the_loop_thread_refuses_instead_of_deadlocking() -> None:
+    bridge = LoopThread("kvtier-test-bridge")
+
+    async def nested() -> None:
+        bridge.call(where_am_i())
+
+    try:
+        with pytest.raises(RuntimeError, match="wait forever"):
+            bridge.call(nested())
+    finally:
+        bridge.stop()
+
+
+def test_stop_joins_the_thread_and_later_work_is_refused_cleanly() -> None:
+    bridge = LoopThread("kvtier-test-bridge")
+    bridge.stop()
+    bridge.stop()  # idempotent
+    assert not bridge.running
+    assert "kvtier-test-bridge" not in {t.name for t in threading.enumerate()}
+    assert bridge.loop.is_closed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine left un-awaited would warn
+        with pytest.raises(ClosedError):
+            bridge.call(where_am_i())
+        bridge.call_soon(print, "never")  # ignored, not an error
