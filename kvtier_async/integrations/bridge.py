@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -81,8 +82,13 @@ class LoopThread:
             if self._stopped:
                 return
             self._stopped = True
-            if self._thread.is_alive():
-                self.loop.call_soon_threadsafe(self.loop.stop)
-        if threading.current_thread() is not self._thread:
+        on_loop_thread = threading.current_thread() is self._thread
+        if self._thread.is_alive() and not on_loop_thread:
+            # The loop's default executor (run_in_executor(None, ...)) has threads of its own.
+            with contextlib.suppress(RuntimeError):
+                asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop).result()
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if not on_loop_thread:
             self._thread.join()
             self.loop.close()
