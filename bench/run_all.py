@@ -128,6 +128,11 @@ def remote_tiers(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def sglang_backend(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/sglang_backend.py", "--repeat", "4"]
+    return shlex.join(command), run_json(command)
+
+
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
     "fs_steady": fs_steady,
@@ -136,6 +141,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "loop_lag": loop_lag,
     "kvtier_bench": kvtier_bench,
     "remote_tiers": remote_tiers,
+    "sglang_backend": sglang_backend,
 }
 
 

@@ -124,6 +124,16 @@ def test_remote_tiers_bench_runs(tmp_path: Path) -> None:
     assert cases["redis"]["baseline"]["load"]["gbps"] > 0 and cases["s3"]["store_ratio"] > 0
 
 
+def test_sglang_backend_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "sglang.json"
+    args = ("--page-mib", "2", "--mib", "16", "--repeat", "2", "--dir", tmp_path, "--json", out)
+    table = bench("sglang_backend.py", *args)
+    assert "warm batch_exists(128)" in table
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["page_mib"], c["layout"]) for c in cases] == [(2, "page_first"), (2, "layer_first")]
+    assert all(c["kvtier"]["exact"] for c in cases)
+
+
 def test_metrics_overhead_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     bench("metrics_overhead.py", "--calls", "50", "--repeat", "1", "--json", out)
@@ -215,4 +225,5 @@ def test_run_all_describes_the_machine() -> None:
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
+    recorders.add("sglang_backend")
     assert set(run_all.RECORDERS) == recorders
