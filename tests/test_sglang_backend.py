@@ -299,3 +299,60 @@ def test_a_fleet_shares_pages_through_redis_and_s3(shared: str, request: pytest.
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("kind", ["fs", "redis"])
+def test_the_three_controller_threads_at_once_with_full_batches(
+    kind: str, fs: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    """Backup (batch_set_v1), prefetch (batch_exists over the whole chain) and prefetch I/O
+    (batch_get_v1) threads at once, 128 pages a call, as SGLang's controller runs them."""
+    tier = fs
+    if kind == "redis":
+        url = request.getfixturevalue("redis_server").url
+        tier = {"type": "redis", "url": url, "prefix": "sglang-threads"}
+    pool = mha_pool("page_first", tokens=16 * 512)
+    backend = build(tier, pool)
+    chain = keys(256, "t")
+    first_half_stored = threading.Event()
+    seen: list[int] = []
+    loaded: list[list[bool]] = []
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        assert backend.batch_set_v1(chain[:128], slots(pool, list(range(128)))) == [True] * 128
+        first_half_stored.set()
+        assert backend.batch_set_v1(chain[128:], slots(pool, list(range(128, 256)))) == [True] * 128
+
+    def prefetch() -> None:
+        first_half_stored.wait(timeout=60)
+        for _ in range(50):
+            seen.append(backend.batch_exists(chain))
+
+    def prefetch_io() -> None:
+        first_half_stored.wait(timeout=60)
+        loaded.append(backend.batch_get_v1(chain[:128], slots(pool, list(range(256, 384)))))
+
+    def guarded(work: Any) -> Any:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                errors.append(exc)
+                first_half_stored.set()
+
+        return run
+
+    threads = [threading.Thread(target=guarded(w)) for w in (backup, prefetch, prefetch_io)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert loaded == [[True] * 128]
+        assert [page_bytes(pool, p) for p in range(256, 384)] == [page_bytes(pool, p) for p in range(128)]
+        assert all(128 <= n <= 256 for n in seen) and backend.batch_exists(chain) == 256
+        assert backend.tier_stats()["errors"] == 0
+    finally:
+        backend.close()
