@@ -58,14 +58,20 @@ async def killed_and_restarted(
         payloads = fill(primary, list(range(8)), seed=2)
         assert await tier.store(keys, list(range(8))) == [True] * 8
 
-        async def traffic(n: int) -> None:  # a stream of stores and loads, none may raise
-            for i in range(n):
+        stopped = asyncio.Event()
+
+        async def traffic(after_stop: int) -> None:  # a stream of stores and loads, none may raise
+            i = left = 0
+            while not stopped.is_set() or left < after_stop:  # runs on past the server's death
+                left += stopped.is_set()
+                i += 1
                 await tier.store([make_key(100 + i, b"s")], [i % 8])
                 await tier.load(keys[:2], [8, 9])
 
         stream = asyncio.ensure_future(traffic(10))
         await asyncio.sleep(0)  # under way
         await stop()
+        stopped.set()
         await asyncio.wait_for(stream, 120)  # a hang guard only; every call is bounded by timeout_s
         assert await tier.store([make_key(999)], [0]) == [False]
         assert await tier.load(keys, list(range(8, 16))) == [False] * 8
