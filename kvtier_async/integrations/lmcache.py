@@ -1,0 +1,474 @@
+"""kvtier tiers as an LMCache L2 adapter: `KVTierL2Adapter` (LMCache 0.5.6, multiprocess server).
+
+LMCache's multiprocess server keeps KV chunks in its L1 memory and hands slower
+storage to L2 adapters. The `plugin` adapter type loads this one::
+
+    --l2-adapter '{"type": "plugin", "module_path": "kvtier_async.integrations.lmcache",
+                   "class_name": "KVTierL2Adapter",
+                   "adapter_params": {"tier": {"type": "fs", "root": "/nvme/kv"}}}'
+
+`"tier"` is a kvtier tier config, as the vLLM and SGLang integrations take it;
+`"limits"` optionally sizes kvtier's scheduler, `"staging_mib"` the staging
+memory per object size (below).
+
+The contract. LMCache's store, prefetch and eviction controllers call from their
+own threads; nothing here blocks them: a `submit_*` call checks its arguments,
+numbers the task, hands it to a private event loop on a daemon thread
+(`bridge.LoopThread`, as for vLLM and SGLang) and returns. When a task ends its
+result is recorded first, then the task's event fd is signalled: a reader that
+drains the fd's counter once for many completions finds every result it was told
+about. `query_*` answer each task exactly once (None before it has ended).
+
+Objects and memory. LMCache hands store and load tasks memory objects anywhere
+in its own memory, of sizes that vary with the chunk. A kvtier tier moves
+fixed-size blocks between its primary memory and its backend, so the adapter
+keeps one tier per object size, each over a staging region of its own
+(`staging_mib`, at most 256 slots): a store copies each object into a staging
+slot and stores the slot; a load loads into slots and copies out the blocks that
+arrived exact. The copies run on kvtier's worker threads, the GIL released.
+
+Keys. An `ObjectKey` (chunk hash, model, KV rank, object group, cache salt)
+becomes one kvtier key, a BLAKE2b digest of all five fields: two models, ranks,
+groups or salts never share a block, and the tier's block format checks each
+block against its key and checksum on every load.
+
+Lookup and lock. A lookup answers which keys the tier holds and counts a lock
+on each hit; `submit_unlock` gives locks back. kvtier's tiers manage their own
+capacity (the fs tier's `capacity_bytes`, a Redis server's `maxmemory`): a
+locked block may still be evicted by its tier, and its load then misses, which
+LMCache's contract allows (a load may fail; it checks the bitmap). The adapter
+reports no capacity to LMCache (`max_capacity_bytes` 0), so LMCache does not
+drive eviction itself; `delete` works when it asks.
+
+This module imports LMCache; `import kvtier_async` does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.platform import create_event_notifier
+
+from ..errors import ClosedError, ConfigError
+from ..factory import SecondaryTierFactory
+from ..primary import reserve_host_memory
+from ..spec import LIMIT_FIELDS, OffloadingSpec
+from ..tier import SecondaryTierManager as KVTier
+from .bridge import LoopThread
+
+__all__ = ["KVTierL2Adapter"]
+
+log = logging.getLogger(__name__)
+
+#: Default staging memory per object size, in MiB.
+STAGING_MIB = 256
+#: Staging slots per object size, at most.
+MAX_SLOTS = 256
+#: How long `close` lets tasks in flight finish before it cancels them.
+CLOSE_GRACE_S = 10.0
+
+
+def object_key(key: Any) -> bytes:
+    """The kvtier key of an LMCache `ObjectKey`: a digest of every field that names the object."""
+    fields = (
+        bytes(key.chunk_hash),
+        str(key.model_name).encode(),
+        str(int(key.kv_rank)).encode(),
+        str(int(getattr(key, "object_group_id", 0))).encode(),
+        str(getattr(key, "cache_salt", "")).encode(),
+    )
+    digest = hashlib.blake2b(digest_size=32, person=b"kvtier-lmcache")
+    for field in fields:
+        digest.update(len(field).to_bytes(4, "big"))
+        digest.update(field)
+    return digest.digest()
+
+
+def _layout_nbytes(desc: Any) -> int:
+    """Bytes of an object laid out as `desc` (an LMCache `MemoryLayoutDesc`); 0 if unreadable."""
+    try:
+        return sum(
+            int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in zip(desc.shapes, desc.dtypes)
+        )
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
+def _object_bytes(obj: Any) -> torch.Tensor:
+    """The object's bytes (its logical size) as a flat uint8 tensor over its own memory."""
+    raw = obj.raw_tensor if obj.raw_tensor is not None else obj.tensor
+    if raw is None:
+        raise ValueError(f"{type(obj).__name__} exposes no tensor")
+    flat = raw.reshape(-1).view(torch.uint8) if raw.is_contiguous() else None
+    if flat is None:
+        raise ValueError("memory objects must be contiguous")
+    data: torch.Tensor = flat[: obj.get_size()]
+    return data
+
+
+class _SizeClass:
+    """One object size: a kvtier tier over a staging region of `slots` slots (loop thread only)."""
+
+    def __init__(self, nbytes: int, tier: KVTier, staging: torch.Tensor, memory: Any) -> None:
+        self.nbytes = nbytes
+        self.tier = tier
+        self.staging = staging  # (slots, stride) uint8
+        self.memory = memory  # the mapping behind `staging`, kept alive with it
+        self.slots = staging.shape[0]
+        self._free = list(range(self.slots))
+        self._freed = asyncio.Condition()
+
+    async def take(self, wanted: int) -> list[int]:
+        """Between 1 and `wanted` free slots, waiting for one if none is free."""
+        async with self._freed:
+            await self._freed.wait_for(lambda: bool(self._free))
+            taken, self._free = self._free[:wanted], self._free[wanted:]
+            return taken
+
+    async def give(self, slots: list[int]) -> None:
+        async with self._freed:
+            self._free.extend(slots)
+            self._freed.notify_all()
+
+
+class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has no type information
+    """Any kvtier tier as LMCache's L2 (`--l2-adapter '{"type": "plugin", ...}'`)."""
+
+    def __init__(self, adapter_params: Mapping[str, Any], l1_memory_desc: Any = None) -> None:
+        params = dict(getattr(adapter_params, "adapter_params", adapter_params) or {})
+        tier = params.get("tier")
+        if not isinstance(tier, Mapping) or not isinstance(tier.get("type"), str):
+            raise ConfigError(
+                'kvtier LMCache adapter: adapter_params needs a kvtier tier config under "tier", '
+                'e.g. "tier": {"type": "fs", "root": "/nvme/kv"}'
+            )
+        limits = params.get("limits") or {}
+        if not isinstance(limits, Mapping) or set(limits) - set(LIMIT_FIELDS):
+            raise ConfigError(
+                f'kvtier LMCache adapter: "limits" must be a dict of {sorted(LIMIT_FIELDS)}, got {limits!r}'
+            )
+        staging_mib = params.get("staging_mib", STAGING_MIB)
+        if isinstance(staging_mib, bool) or not isinstance(staging_mib, int) or staging_mib < 1:
+            raise ConfigError(
+                f'kvtier LMCache adapter: "staging_mib" must be an int >= 1, got {staging_mib!r}'
+            )
+        SecondaryTierFactory.get_tier_class(tier["type"], tier.get("module_path"))  # unknown type: here
+        super().__init__(max_capacity_bytes=0)
+        self.tier_config = dict(tier)
+        self.limits = dict(limits)
+        self.staging_bytes = staging_mib << 20
+        self._lock = threading.Lock()  # guards the task books below; LMCache's threads call at once
+        self._next_task = 0
+        self._stores_done: dict[L2TaskId, L2StoreResult] = {}
+        self._lookups_done: dict[L2TaskId, Bitmap] = {}
+        self._loads_done: dict[L2TaskId, Bitmap] = {}
+        self._locks: Counter[bytes] = Counter()
+        self._closed = False
+        self._store_fd = create_event_notifier()
+        self._lookup_fd = create_event_notifier()
+        self._load_fd = create_event_notifier()
+        self._classes: dict[int, _SizeClass] = {}  # loop thread only
+        self._opening: dict[int, asyncio.Future[_SizeClass]] = {}  # loop thread only
+        self._tasks: set[asyncio.Task[None]] = set()  # loop thread only
+        self._bridge = LoopThread("kvtier-lmcache")
+
+    # -- event fds ----------------------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return int(self._store_fd.fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._lookup_fd.fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._load_fd.fileno())
+
+    # -- submitting ---------------------------------------------------------------------------------
+    def _new_task(self) -> L2TaskId:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("kvtier LMCache adapter is closed")
+            task_id = self._next_task
+            self._next_task += 1
+            return task_id
+
+    def _start(self, work: Any) -> None:
+        self._bridge.call_soon(self._run_task, work)
+
+    def _run_task(self, work: Any) -> None:
+        task = self._bridge.loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
+        """Store `objects` under `keys` in the background; the result via `pop_completed_store_tasks`."""
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        task_id = self._new_task()
+        self._start(self._store(task_id, list(keys), list(objects)))
+        return task_id
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._stores_done = self._stores_done, {}
+        return done
+
+    def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None) -> L2TaskId:
+        """Which of `keys` the tier holds, each hit locked; the bitmap via `query_lookup_and_lock_result`.
+        The groups' layouts name the object sizes to look in (a restarted adapter has opened none)."""
+        sizes = {_layout_nbytes(desc) for desc in (group_layout_descs or {}).values()} - {0}
+        task_id = self._new_task()
+        self._start(self._lookup(task_id, list(keys), sorted(sizes)))
+        return task_id
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._lookups_done.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[Any]) -> None:
+        with self._lock:
+            for key in map(object_key, keys):
+                if self._locks[key] > 1:
+                    self._locks[key] -= 1
+                else:
+                    self._locks.pop(key, None)
+
+    def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
+        """Load `keys` into `objects` (LMCache's buffers) in the background; the bitmap via
+        `query_load_result`: a bit is set only where the object now holds the exact bytes."""
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        task_id = self._new_task()
+        self._start(self._load(task_id, list(keys), list(objects)))
+        return task_id
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._loads_done.pop(task_id, None)
+
+    # -- the tasks, on the loop thread ----------------------------------------------------------------
+    async def _size_class(self, nbytes: int) -> _SizeClass:
+        """The tier for objects of `nbytes`, opened on first use (concurrent first uses share it)."""
+        if nbytes in self._classes:
+            return self._classes[nbytes]
+        opening = self._opening.get(nbytes)
+        if opening is None:
+            opening = asyncio.ensure_future(self._open_class(nbytes))
+            self._opening[nbytes] = opening
+        try:
+            return await asyncio.shield(opening)
+        finally:
+            if opening.done():
+                self._opening.pop(nbytes, None)
+
+    async def _open_class(self, nbytes: int) -> _SizeClass:
+        stride = -(-nbytes // 4096) * 4096
+        slots = max(1, min(MAX_SLOTS, self.staging_bytes // stride))
+        memory = reserve_host_memory(slots * stride)
+        spec = OffloadingSpec(
+            block_nbytes=nbytes,
+            num_cpu_blocks=slots,
+            secondary_tiers=[self.tier_config],
+            namespace=f"lmcache:{nbytes}",
+            **self.limits,
+        )
+        tier = SecondaryTierFactory.create_secondary_tier(self.tier_config, memoryview(memory), spec)
+        try:
+            await tier.open()
+        except BaseException:
+            await tier.aclose()
+            raise
+        staging = torch.frombuffer(memory, dtype=torch.uint8).view(slots, stride)
+        size_class = _SizeClass(nbytes, tier, staging, memory)
+        self._classes[nbytes] = size_class
+        return size_class
+
+    @staticmethod
+    def _by_size(objects: Sequence[Any]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i, obj in enumerate(objects):
+            groups.setdefault(int(obj.get_size()), []).append(i)
+        return groups
+
+    async def _store(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+        stored: list[int] = []
+        ok = True
+        try:
+            for nbytes, members in self._by_size(objects).items():
+                size_class = await self._size_class(nbytes)
+                start = 0
+                while start < len(members):
+                    slots = await size_class.take(len(members) - start)
+                    part = members[start : start + len(slots)]
+                    try:
+                        await size_class.tier.run_cpu(
+                            nbytes * len(part),
+                            _copy_in,
+                            size_class.staging,
+                            slots,
+                            [objects[i] for i in part],
+                        )
+                        results = await size_class.tier.store([object_key(keys[i]) for i in part], slots)
+                    finally:
+                        await size_class.give(slots)
+                    stored += [i for i, done in zip(part, results) if done]
+                    ok = ok and all(results)
+                    start += len(part)
+        except Exception as exc:  # a task never raises into LMCache: it fails
+            ok = False
+            log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, exc)
+        nbytes_stored = sum(int(objects[i].get_size()) for i in stored)
+        with self._lock:
+            self._stores_done[task_id] = L2StoreResult(ok, nbytes_stored)
+        if stored:
+            self._notify_keys_stored([keys[i] for i in stored], [int(objects[i].get_size()) for i in stored])
+        self._store_fd.notify()
+
+    async def _lookup(self, task_id: L2TaskId, keys: list[Any], sizes: list[int]) -> None:
+        bitmap = Bitmap(len(keys))
+        wanted = [object_key(key) for key in keys]
+        try:
+            for nbytes in sizes:  # the groups' full-chunk sizes: opened here after a restart
+                await self._size_class(nbytes)
+            present = [False] * len(keys)
+            # An object's size is not in its key: ask the tier of every size opened so far.
+            for size_class in list(self._classes.values()):
+                todo = [i for i, hit in enumerate(present) if not hit]
+                if not todo:
+                    break
+                found = await size_class.tier.lookup_each([wanted[i] for i in todo])
+                for i, hit in zip(todo, found):
+                    present[i] = hit
+            with self._lock:
+                for i, hit in enumerate(present):
+                    if hit:
+                        bitmap.set(i)
+                        self._locks[wanted[i]] += 1
+        except Exception as exc:
+            log.warning("kvtier LMCache adapter: lookup task %d failed: %r", task_id, exc)
+        with self._lock:
+            self._lookups_done[task_id] = bitmap
+        self._lookup_fd.notify()
+
+    async def _load(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+        bitmap = Bitmap(len(keys))
+        loaded: list[int] = []
+        try:
+            for nbytes, members in self._by_size(objects).items():
+                size_class = await self._size_class(nbytes)
+                start = 0
+                while start < len(members):
+                    slots = await size_class.take(len(members) - start)
+                    part = members[start : start + len(slots)]
+                    try:
+                        results = await size_class.tier.load([object_key(keys[i]) for i in part], slots)
+                        hits = [(slot, i) for slot, i, ok in zip(slots, part, results) if ok]
+                        if hits:
+                            await size_class.tier.run_cpu(
+                                nbytes * len(hits),
+                                _copy_out,
+                                size_class.staging,
+                                [slot for slot, _ in hits],
+                                [objects[i] for _, i in hits],
+                            )
+                    finally:
+                        await size_class.give(slots)
+                    loaded += [i for _, i in hits]
+                    start += len(part)
+        except Exception as exc:
+            log.warning("kvtier LMCache adapter: load task %d failed: %r", task_id, exc)
+            loaded = []  # objects may be half-written: report none of this task as loaded
+        for i in loaded:
+            bitmap.set(i)
+        with self._lock:
+            self._loads_done[task_id] = bitmap
+        if loaded:
+            self._notify_keys_accessed([keys[i] for i in loaded])
+        self._load_fd.notify()
+
+    # -- housekeeping ---------------------------------------------------------------------------------
+    def delete(self, keys: list[Any]) -> None:
+        """Delete `keys` from the tier (LMCache's eviction); waits until done."""
+        if not keys:
+            return
+        sizes = self._bridge.call(self._delete([object_key(key) for key in keys]))
+        gone = [(key, size) for key, size in zip(keys, sizes) if size]
+        if gone:
+            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+
+    async def _delete(self, wanted: list[bytes]) -> list[int]:
+        sizes = [0] * len(wanted)
+        for size_class in list(self._classes.values()):
+            held = await size_class.tier.lookup_each(wanted)
+            doomed = [key for key, h in zip(wanted, held) if h]
+            if doomed:
+                await size_class.tier.delete(doomed)
+                for i, h in enumerate(held):
+                    if h:
+                        sizes[i] = size_class.nbytes
+        return sizes
+
+    def report_status(self) -> dict[str, Any]:
+        """LMCache's status page: health and the tiers' own figures, per object size."""
+        with self._lock:
+            closed, locked = self._closed, len(self._locks)
+        tiers = {} if closed else self._bridge.call(self._stats())
+        return {
+            "is_healthy": not closed,
+            "type": "KVTierL2Adapter",
+            "tier": self.tier_config["type"],
+            "locked_key_count": locked,
+            "tiers_by_object_size": tiers,
+        }
+
+    async def _stats(self) -> dict[int, dict[str, Any]]:
+        return {nbytes: size_class.tier.stats() for nbytes, size_class in self._classes.items()}
+
+    def close(self) -> None:
+        """Let tasks in flight finish (cancel them after `CLOSE_GRACE_S`), close the tiers, stop the
+        thread, close the event fds. Afterwards nothing here holds a view of LMCache's memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            if self._bridge.running:
+                self._bridge.call(self._close())
+        finally:
+            self._bridge.stop()
+            for notifier in (self._store_fd, self._lookup_fd, self._load_fd):
+                notifier.close()
+
+    async def _close(self) -> None:
+        if self._tasks:
+            _, running = await asyncio.wait(set(self._tasks), timeout=CLOSE_GRACE_S)
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)
+        for size_class in self._classes.values():
+            await size_class.tier.aclose()
+        self._classes.clear()
+
+
+def _copy_in(staging: torch.Tensor, slots: list[int], objects: list[Any]) -> None:
+    """Worker thread: each object's bytes into its staging slot."""
+    for slot, obj in zip(slots, objects):
+        data = _object_bytes(obj)
+        staging[slot, : data.numel()].copy_(data)
+
+
+def _copy_out(staging: torch.Tensor, slots: list[int], objects: list[Any]) -> None:
+    """Worker thread: each loaded slot into its object."""
+    for slot, obj in zip(slots, objects):
+        data = _object_bytes(obj)
+        data.copy_(staging[slot, : data.numel()])

@@ -1,0 +1,286 @@
+"""`KVTierL2Adapter` as LMCache 0.5.6's multiprocess server loads and drives it.
+
+The adapter is built from the `--l2-adapter` JSON a user passes, through LMCache's own
+argument parser, config registry and adapter factory (`plugin` type), and driven with LMCache's
+real `ObjectKey`, `TensorMemoryObj`, `Bitmap` and event fds, as its store and prefetch
+controllers drive it: submit, wait on the task's event fd, collect the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVTIER_REQUIRE_SERVERS") != "1":  # CI installs LMCache and never skips these
+    pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+
+import torch
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.l2_adapters.config import (
+    add_l2_adapters_args,
+    parse_args_to_l2_adapters_config,
+)
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.platform import consume_fd
+
+from kvtier_async.errors import ConfigError
+from kvtier_async.integrations.lmcache import KVTierL2Adapter
+
+CHUNK = 64 << 10  # bytes of one chunk object in these tests
+
+
+def adapter_json(tier: dict[str, Any], **params: Any) -> str:
+    return json.dumps(
+        {
+            "type": "plugin",
+            "module_path": "kvtier_async.integrations.lmcache",
+            "class_name": "KVTierL2Adapter",
+            "adapter_params": {"tier": tier, **params},
+        }
+    )
+
+
+def build(tier: dict[str, Any], **params: Any) -> KVTierL2Adapter:
+    """What `lmcache server --l2-adapter '<json>'` does with our JSON."""
+    parser = add_l2_adapters_args(argparse.ArgumentParser())
+    config = parse_args_to_l2_adapters_config(
+        parser.parse_args(["--l2-adapter", adapter_json(tier, **params)])
+    )
+    adapter = create_l2_adapter_from_registry(config.adapters[0])
+    assert isinstance(adapter, KVTierL2Adapter)
+    return adapter
+
+
+def key(i: int, model: str = "org/model", salt: str = "") -> ObjectKey:
+    return ObjectKey(chunk_hash=ObjectKey.IntHash2Bytes(i), model_name=model, kv_rank=0, cache_salt=salt)
+
+
+def chunk(nbytes: int = CHUNK, seed: int | None = None) -> TensorMemoryObj:
+    """A memory object as LMCache's allocators make them, filled with random bytes (or zeros)."""
+    raw = torch.zeros(nbytes, dtype=torch.uint8)
+    if seed is not None:
+        raw.copy_(
+            torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        )
+    meta = MemoryObjMetadata(
+        shape=torch.Size([nbytes]),
+        dtype=torch.uint8,
+        address=0,
+        phy_size=nbytes,
+        fmt=MemoryFormat.KV_2LTD,
+        ref_count=1,
+    )
+    return TensorMemoryObj(raw, meta, parent_allocator=None)
+
+
+LAYOUT = {0: MemoryLayoutDesc(shapes=[torch.Size([CHUNK])], dtypes=[torch.uint8])}
+
+
+def wait(fd: int) -> None:
+    """Block until the event fd is signalled (as LMCache's controllers poll it), then drain it."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(30_000), "no completion signalled within 30 s"
+    consume_fd(fd)
+
+
+def store(adapter: KVTierL2Adapter, keys: list[ObjectKey], objects: list[TensorMemoryObj]) -> Any:
+    task = adapter.submit_store_task(keys, objects)
+    while True:
+        done = adapter.pop_completed_store_tasks()
+        if task in done:
+            return done[task]
+        wait(adapter.get_store_event_fd())
+
+
+def lookup(adapter: KVTierL2Adapter, keys: list[ObjectKey], layout: Any = LAYOUT) -> list[bool]:
+    task = adapter.submit_lookup_and_lock_task(keys, layout)
+    while (bitmap := adapter.query_lookup_and_lock_result(task)) is None:
+        wait(adapter.get_lookup_and_lock_event_fd())
+    assert adapter.query_lookup_and_lock_result(task) is None  # answered once
+    return [bitmap.test(i) for i in range(len(keys))]
+
+
+def load(adapter: KVTierL2Adapter, keys: list[ObjectKey], objects: list[TensorMemoryObj]) -> list[bool]:
+    task = adapter.submit_load_task(keys, objects)
+    while (bitmap := adapter.query_load_result(task)) is None:
+        wait(adapter.get_load_event_fd())
+    return [bitmap.test(i) for i in range(len(keys))]
+
+
+def same(a: TensorMemoryObj, b: TensorMemoryObj) -> bool:
+    return bool(torch.equal(a.raw_tensor, b.raw_tensor))
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> dict[str, Any]:
+    return {"type": "fs", "root": str(tmp_path / "kv")}
+
+
+def test_store_lookup_load_through_lmcaches_plugin_path_byte_exact(fs: dict[str, Any]) -> None:
+    adapter = build(fs)
+    try:
+        fds = {
+            adapter.get_store_event_fd(),
+            adapter.get_lookup_and_lock_event_fd(),
+            adapter.get_load_event_fd(),
+        }
+        assert len(fds) == 3
+        keys, objects = [key(i) for i in range(6)], [chunk(seed=i) for i in range(6)]
+        result = store(adapter, keys, objects)
+        assert result.is_successful() and result.bytes_transferred() == 6 * CHUNK
+        assert lookup(adapter, [*keys, key(99)]) == [True] * 6 + [False]
+        targets = [chunk() for _ in range(7)]
+        assert load(adapter, [*keys, key(99)], targets) == [True] * 6 + [False]
+        assert all(same(a, b) for a, b in zip(objects, targets[:6]))
+        assert not targets[6].raw_tensor.any()  # the miss left its buffer alone
+        adapter.submit_unlock(keys)
+        assert adapter.report_status()["locked_key_count"] == 0
+    finally:
+        adapter.close()
+
+
+def test_a_restarted_adapter_on_the_same_root_finds_what_the_last_one_stored(fs: dict[str, Any]) -> None:
+    keys, objects = [key(i) for i in range(4)], [chunk(seed=10 + i) for i in range(4)]
+    first = build(fs)
+    assert store(first, keys, objects).is_successful()
+    first.close()
+    second = build(fs)
+    try:
+        assert lookup(second, keys) == [True] * 4  # the layout names the size to look in
+        targets = [chunk() for _ in keys]
+        assert load(second, keys, targets) == [True] * 4
+        assert all(same(a, b) for a, b in zip(objects, targets))
+    finally:
+        second.close()
+
+
+def test_models_and_salts_never_share_a_chunk(fs: dict[str, Any]) -> None:
+    adapter = build(fs)
+    try:
+        assert store(adapter, [key(1, model="a")], [chunk(seed=1)]).is_successful()
+        assert lookup(adapter, [key(1, model="b"), key(1, model="a", salt="user2"), key(1, model="a")]) == [
+            False,
+            False,
+            True,
+        ]
+    finally:
+        adapter.close()
+
+
+def test_objects_of_several_sizes_in_one_task(fs: dict[str, Any]) -> None:
+    adapter = build(fs, staging_mib=1)  # 16 slots of 64 KiB: a 40-chunk task goes through in turns
+    try:
+        keys = [key(i) for i in range(42)]
+        objects = [chunk(seed=i) for i in range(40)] + [chunk(4096, seed=40), chunk(12288, seed=41)]
+        assert store(adapter, keys, objects).is_successful()
+        targets = [chunk(o.get_size()) for o in objects]
+        assert load(adapter, keys, targets) == [True] * 42
+        assert all(same(a, b) for a, b in zip(objects, targets))
+    finally:
+        adapter.close()
+
+
+def test_store_and_prefetch_controllers_call_at_once(fs: dict[str, Any]) -> None:
+    """LMCache's store controller (stores) and prefetch controller (lookups, loads) run at once,
+    each the only reader of its own event fds."""
+    adapter = build(fs)
+    ready = [key(i) for i in range(8)]
+    ready_objects = [chunk(seed=i) for i in range(8)]
+    assert store(adapter, ready, ready_objects).is_successful()
+    errors: list[BaseException] = []
+
+    def store_controller() -> None:
+        try:
+            for batch in range(1, 5):
+                keys = [key(100 * batch + i) for i in range(8)]
+                assert store(adapter, keys, [chunk(seed=100 * batch + i) for i in range(8)]).is_successful()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def prefetch_controller() -> None:
+        try:
+            for _ in range(4):
+                assert lookup(adapter, ready) == [True] * 8
+                targets = [chunk() for _ in ready]
+                assert load(adapter, ready, targets) == [True] * 8
+                assert all(same(a, b) for a, b in zip(ready_objects, targets))
+                adapter.submit_unlock(ready)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=store_controller), threading.Thread(target=prefetch_controller)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert lookup(adapter, [key(100 * b + i) for b in range(1, 5) for i in range(8)]) == [True] * 32
+    finally:
+        adapter.close()
+
+
+def test_delete_and_usage_reach_lmcaches_accounting(fs: dict[str, Any]) -> None:
+    adapter = build(fs)
+    try:
+        keys = [key(i) for i in range(3)]
+        assert store(adapter, keys, [chunk(seed=i) for i in range(3)]).is_successful()
+        assert adapter.get_usage().total_bytes_used == 3 * CHUNK
+        adapter.delete(keys[:2])
+        assert adapter.get_usage().total_bytes_used == CHUNK
+        assert lookup(adapter, keys) == [False, False, True]
+        status = adapter.report_status()
+        assert status["is_healthy"] and status["tier"] == "fs"
+        assert status["tiers_by_object_size"][CHUNK]["stored_blocks"] == 3
+    finally:
+        adapter.close()
+
+
+def test_close_leaves_no_thread_and_closes_the_event_fds(fs: dict[str, Any]) -> None:
+    before = set(threading.enumerate())
+    adapter = build(fs)
+    assert store(adapter, [key(1)], [chunk(seed=1)]).is_successful()
+    fd = adapter.get_store_event_fd()
+    adapter.close()
+    adapter.close()  # idempotent
+    started = [t for t in threading.enumerate() if t not in before]
+    for thread in started:  # worker threads leave once their queue is empty: wait for that
+        thread.join(timeout=30)
+    assert not [t.name for t in started if t.is_alive()]
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    with pytest.raises(Exception, match="closed"):
+        adapter.submit_store_task([key(2)], [chunk()])
+
+
+def test_bad_configuration_is_refused_when_lmcache_builds_the_adapter(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match='"tier"'):
+        KVTierL2Adapter({})
+    with pytest.raises(Exception, match="nvme"):
+        build({"type": "nvme"})
+    with pytest.raises(ConfigError, match="staging_mib"):
+        build({"type": "fs", "root": str(tmp_path)}, staging_mib=0)
+
+
+def test_a_fleet_shares_chunks_through_redis(request: pytest.FixtureRequest) -> None:
+    tier = {"type": "redis", "url": request.getfixturevalue("redis_server").url, "prefix": "lmcache-test"}
+    a, b = build(tier), build(tier)
+    try:
+        keys, objects = [key(i, model="fleet") for i in range(5)], [chunk(seed=50 + i) for i in range(5)]
+        assert store(a, keys, objects).is_successful()
+        assert lookup(b, keys) == [True] * 5
+        targets = [chunk() for _ in keys]
+        assert load(b, keys, targets) == [True] * 5
+        assert all(same(x, y) for x, y in zip(objects, targets))
+    finally:
+        a.close()
+        b.close()
