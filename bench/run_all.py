@@ -133,6 +133,11 @@ def sglang_backend(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def lmcache_l2(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/lmcache_l2.py", "--rounds", "6"]
+    return shlex.join(command), run_json(command)
+
+
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
     "fs_steady": fs_steady,
@@ -142,6 +147,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "kvtier_bench": kvtier_bench,
     "remote_tiers": remote_tiers,
     "sglang_backend": sglang_backend,
+    "lmcache_l2": lmcache_l2,
 }
 
 

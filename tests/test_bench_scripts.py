@@ -225,5 +225,5 @@ def test_run_all_describes_the_machine() -> None:
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
-    recorders.add("sglang_backend")
+    recorders |= {"sglang_backend", "lmcache_l2"}
     assert set(run_all.RECORDERS) == recorders

@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 STAGING_MIB = 256
 #: Staging slots per object size, at most.
 MAX_SLOTS = 256
+#: Bytes of objects copied and moved together: a task's parts run at once, so the copies of one
+#: part overlap the I/O of the others.
+PART_BYTES = 8 << 20
 #: How long `close` lets tasks in flight finish before it cancels them.
 CLOSE_GRACE_S = 10.0
 
@@ -299,39 +302,51 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             groups.setdefault(int(obj.get_size()), []).append(i)
         return groups
 
+    def _parts(self, objects: Sequence[Any]) -> list[tuple[int, list[int]]]:
+        """The objects by size, cut in parts of about `PART_BYTES`: (size, indices) each."""
+        parts = []
+        for nbytes, members in self._by_size(objects).items():
+            step = max(1, PART_BYTES // nbytes)
+            parts += [(nbytes, members[i : i + step]) for i in range(0, len(members), step)]
+        return parts
+
     async def _store(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         stored: list[int] = []
         ok = True
-        try:
-            for nbytes, members in self._by_size(objects).items():
-                size_class = await self._size_class(nbytes)
-                start = 0
-                while start < len(members):
-                    slots = await size_class.take(len(members) - start)
-                    part = members[start : start + len(slots)]
-                    try:
-                        await size_class.tier.run_cpu(
-                            nbytes * len(part),
-                            _copy_in,
-                            size_class.staging,
-                            slots,
-                            [objects[i] for i in part],
-                        )
-                        results = await size_class.tier.store([object_key(keys[i]) for i in part], slots)
-                    finally:
-                        await size_class.give(slots)
-                    stored += [i for i, done in zip(part, results) if done]
-                    ok = ok and all(results)
-                    start += len(part)
-        except Exception as exc:  # a task never raises into LMCache: it fails
-            ok = False
-            log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, exc)
+        parts = self._parts(objects)
+        # The parts run at once: one part's copies overlap the others' writes.
+        outcomes = await asyncio.gather(
+            *(self._store_part(nbytes, part, keys, objects) for nbytes, part in parts), return_exceptions=True
+        )
+        for (_, part), outcome in zip(parts, outcomes):
+            if isinstance(outcome, BaseException):  # a task never raises into LMCache: it fails
+                ok = False
+                log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, outcome)
+                continue
+            stored += [i for i, done in zip(part, outcome) if done]
+            ok = ok and all(outcome)
         nbytes_stored = sum(int(objects[i].get_size()) for i in stored)
         with self._lock:
             self._stores_done[task_id] = L2StoreResult(ok, nbytes_stored)
         if stored:
             self._notify_keys_stored([keys[i] for i in stored], [int(objects[i].get_size()) for i in stored])
         self._store_fd.notify()
+
+    async def _store_part(
+        self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any]
+    ) -> list[bool]:
+        size_class = await self._size_class(nbytes)
+        results: list[bool] = []
+        while len(results) < len(part):
+            slots = await size_class.take(len(part) - len(results))
+            chunk = part[len(results) : len(results) + len(slots)]
+            try:
+                moved = [objects[i] for i in chunk]
+                await size_class.tier.run_cpu(nbytes * len(chunk), _copy_in, size_class.staging, slots, moved)
+                results += await size_class.tier.store([object_key(keys[i]) for i in chunk], slots)
+            finally:
+                await size_class.give(slots)
+        return results
 
     async def _lookup(self, task_id: L2TaskId, keys: list[Any], sizes: list[int]) -> None:
         bitmap = Bitmap(len(keys))
@@ -362,31 +377,15 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     async def _load(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         bitmap = Bitmap(len(keys))
         loaded: list[int] = []
-        try:
-            for nbytes, members in self._by_size(objects).items():
-                size_class = await self._size_class(nbytes)
-                start = 0
-                while start < len(members):
-                    slots = await size_class.take(len(members) - start)
-                    part = members[start : start + len(slots)]
-                    try:
-                        results = await size_class.tier.load([object_key(keys[i]) for i in part], slots)
-                        hits = [(slot, i) for slot, i, ok in zip(slots, part, results) if ok]
-                        if hits:
-                            await size_class.tier.run_cpu(
-                                nbytes * len(hits),
-                                _copy_out,
-                                size_class.staging,
-                                [slot for slot, _ in hits],
-                                [objects[i] for _, i in hits],
-                            )
-                    finally:
-                        await size_class.give(slots)
-                    loaded += [i for _, i in hits]
-                    start += len(part)
-        except Exception as exc:
-            log.warning("kvtier LMCache adapter: load task %d failed: %r", task_id, exc)
-            loaded = []  # objects may be half-written: report none of this task as loaded
+        parts = self._parts(objects)
+        outcomes = await asyncio.gather(
+            *(self._load_part(nbytes, part, keys, objects) for nbytes, part in parts), return_exceptions=True
+        )
+        for (_, part), outcome in zip(parts, outcomes):
+            if isinstance(outcome, BaseException):  # its objects may be half-written: none counts
+                log.warning("kvtier LMCache adapter: load task %d failed in part: %r", task_id, outcome)
+                continue
+            loaded += [i for i, done in zip(part, outcome) if done]
         for i in loaded:
             bitmap.set(i)
         with self._lock:
@@ -394,6 +393,27 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         if loaded:
             self._notify_keys_accessed([keys[i] for i in loaded])
         self._load_fd.notify()
+
+    async def _load_part(
+        self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any]
+    ) -> list[bool]:
+        size_class = await self._size_class(nbytes)
+        results: list[bool] = []
+        while len(results) < len(part):
+            slots = await size_class.take(len(part) - len(results))
+            chunk = part[len(results) : len(results) + len(slots)]
+            try:
+                arrived = await size_class.tier.load([object_key(keys[i]) for i in chunk], slots)
+                hits = [(slot, objects[i]) for slot, i, ok in zip(slots, chunk, arrived) if ok]
+                if hits:
+                    copied = [slot for slot, _ in hits]
+                    await size_class.tier.run_cpu(
+                        nbytes * len(hits), _copy_out, size_class.staging, copied, [obj for _, obj in hits]
+                    )
+            finally:
+                await size_class.give(slots)
+            results += arrived
+        return results
 
     # -- housekeeping ---------------------------------------------------------------------------------
     def delete(self, keys: list[Any]) -> None:
