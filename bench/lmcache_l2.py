@@ -92,7 +92,7 @@ def main() -> None:
                 case[f"{op}_ratios"] = ratios
             cases.append(case)
             print(
-                f"{size_kb // 1024} MiB chunks | store GB/s kvtier {case['kvtier']['store_gbps']:.2f} "
+                f"{size_kb} KiB chunks | store GB/s kvtier {case['kvtier']['store_gbps']:.2f} "
                 f"LMCache fs {case['lmcache-fs']['store_gbps']:.2f} ({case['store_ratio']:.2f}x) | "
                 f"load GB/s kvtier {case['kvtier']['load_gbps']:.2f} "
                 f"LMCache fs {case['lmcache-fs']['load_gbps']:.2f} ({case['load_ratio']:.2f}x)",

@@ -134,6 +134,14 @@ def test_sglang_backend_bench_runs(tmp_path: Path) -> None:
     assert all(c["kvtier"]["exact"] for c in cases)
 
 
+def test_lmcache_l2_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "lmcache.json"
+    table = bench("lmcache_l2.py", "--size-kb", "256", "--rounds", "2", "--dir", tmp_path, "--json", out)
+    assert "256 KiB chunks" in table
+    [case] = json.loads(out.read_text())["cases"]
+    assert case["kvtier"]["store_gbps"] > 0 and case["lmcache-fs"]["load_gbps"] > 0
+
+
 def test_metrics_overhead_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     bench("metrics_overhead.py", "--calls", "50", "--repeat", "1", "--json", out)

@@ -284,3 +284,19 @@ def test_a_fleet_shares_chunks_through_redis(request: pytest.FixtureRequest) -> 
     finally:
         a.close()
         b.close()
+
+
+def test_two_servers_on_one_host_share_a_root(fs: dict[str, Any]) -> None:
+    shared = {**fs, "refresh_interval_s": 0}  # the reader looks at the writer's new chunks on every miss
+    writer, reader = build(shared), build(shared)
+    try:
+        keys, objects = [key(i, model="shared") for i in range(4)], [chunk(seed=70 + i) for i in range(4)]
+        assert lookup(reader, keys) == [False] * 4
+        assert store(writer, keys, objects).is_successful()
+        assert lookup(reader, keys) == [True] * 4
+        targets = [chunk() for _ in keys]
+        assert load(reader, keys, targets) == [True] * 4
+        assert all(same(a, b) for a, b in zip(objects, targets))
+    finally:
+        writer.close()
+        reader.close()
