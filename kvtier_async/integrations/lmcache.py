@@ -59,6 +59,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
+from ..buffers import copy_into
 from ..errors import ClosedError, ConfigError
 from ..factory import SecondaryTierFactory
 from ..primary import reserve_host_memory
@@ -107,27 +108,31 @@ def _layout_nbytes(desc: Any) -> int:
         return 0
 
 
-def _object_bytes(obj: Any) -> torch.Tensor:
-    """The object's bytes (its logical size) as a flat uint8 tensor over its own memory."""
-    raw = obj.raw_tensor if obj.raw_tensor is not None else obj.tensor
-    if raw is None:
-        raise ValueError(f"{type(obj).__name__} exposes no tensor")
-    flat = raw.reshape(-1).view(torch.uint8) if raw.is_contiguous() else None
-    if flat is None:
-        raise ValueError("memory objects must be contiguous")
-    data: torch.Tensor = flat[: obj.get_size()]
-    return data
+def _object_view(obj: Any) -> memoryview:
+    """The object's bytes, in its own memory: LMCache's `byte_array` (its logical size)."""
+    return memoryview(obj.byte_array).cast("B")
+
+
+def _check_task(keys: Sequence[Any], objects: Sequence[Any]) -> None:
+    """Refuse a task LMCache could not mean, before it gets an id: raises ValueError."""
+    if len(keys) != len(objects):
+        raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+    for obj in objects:
+        try:
+            _object_view(obj)
+        except (AttributeError, TypeError, NotImplementedError) as exc:
+            raise ValueError(f"{type(obj).__name__} exposes no byte_array to copy: {exc}") from exc
 
 
 class _SizeClass:
     """One object size: a kvtier tier over a staging region of `slots` slots (loop thread only)."""
 
-    def __init__(self, nbytes: int, tier: KVTier, staging: torch.Tensor, memory: Any) -> None:
+    def __init__(self, nbytes: int, tier: KVTier, memory: Any, stride: int) -> None:
         self.nbytes = nbytes
         self.tier = tier
-        self.staging = staging  # (slots, stride) uint8
-        self.memory = memory  # the mapping behind `staging`, kept alive with it
-        self.slots = staging.shape[0]
+        self.memory = memory  # the staging mapping, `slots` slots `stride` bytes apart
+        self.stride = stride
+        self.slots = len(memory) // stride
         self._free = list(range(self.slots))
         self._freed = asyncio.Condition()
 
@@ -137,6 +142,9 @@ class _SizeClass:
             await self._freed.wait_for(lambda: bool(self._free))
             taken, self._free = self._free[:wanted], self._free[wanted:]
             return taken
+
+    def slot(self, slot: int) -> memoryview:
+        return memoryview(self.memory)[slot * self.stride : slot * self.stride + self.nbytes]
 
     async def give(self, slots: list[int]) -> None:
         async with self._freed:
@@ -214,8 +222,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         """Store `objects` under `keys` in the background; the result via `pop_completed_store_tasks`."""
-        if len(keys) != len(objects):
-            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        _check_task(keys, objects)
         task_id = self._new_task()
         self._start(self._store(task_id, list(keys), list(objects)))
         return task_id
@@ -248,8 +255,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         """Load `keys` into `objects` (LMCache's buffers) in the background; the bitmap via
         `query_load_result`: a bit is set only where the object now holds the exact bytes."""
-        if len(keys) != len(objects):
-            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        _check_task(keys, objects)
         task_id = self._new_task()
         self._start(self._load(task_id, list(keys), list(objects)))
         return task_id
@@ -290,8 +296,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         except BaseException:
             await tier.aclose()
             raise
-        staging = torch.frombuffer(memory, dtype=torch.uint8).view(slots, stride)
-        size_class = _SizeClass(nbytes, tier, staging, memory)
+        size_class = _SizeClass(nbytes, tier, memory, stride)
         self._classes[nbytes] = size_class
         return size_class
 
@@ -299,7 +304,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     def _by_size(objects: Sequence[Any]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
         for i, obj in enumerate(objects):
-            groups.setdefault(int(obj.get_size()), []).append(i)
+            groups.setdefault(_object_view(obj).nbytes, []).append(i)
         return groups
 
     def _parts(self, objects: Sequence[Any]) -> list[tuple[int, list[int]]]:
@@ -311,42 +316,55 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         return parts
 
     async def _store(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
-        stored: list[int] = []
-        ok = True
-        parts = self._parts(objects)
-        # The parts run at once: one part's copies overlap the others' writes.
-        outcomes = await asyncio.gather(
-            *(self._store_part(nbytes, part, keys, objects) for nbytes, part in parts), return_exceptions=True
-        )
-        for (_, part), outcome in zip(parts, outcomes):
-            if isinstance(outcome, BaseException):  # a task never raises into LMCache: it fails
-                ok = False
-                log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, outcome)
-                continue
-            stored += [i for i, done in zip(part, outcome) if done]
-            ok = ok and all(outcome)
-        nbytes_stored = sum(int(objects[i].get_size()) for i in stored)
-        with self._lock:
-            self._stores_done[task_id] = L2StoreResult(ok, nbytes_stored)
-        if stored:
-            self._notify_keys_stored([keys[i] for i in stored], [int(objects[i].get_size()) for i in stored])
-        self._store_fd.notify()
+        stored: list[int] = []  # newly stored: counted in LMCache's byte accounting once
+        ok = False
+        try:
+            parts = self._parts(objects)
+            # The parts run at once: one part's copies overlap the others' writes.
+            work = [self._store_part(nbytes, part, keys, objects) for nbytes, part in parts]
+            outcomes = await asyncio.gather(*work, return_exceptions=True)
+            ok = True
+            for (_, part), outcome in zip(parts, outcomes):
+                if isinstance(outcome, BaseException):  # a task never raises into LMCache: it fails
+                    ok = False
+                    log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, outcome)
+                    continue
+                stored += [i for i, state in zip(part, outcome) if state == "new"]
+                ok = ok and "failed" not in outcome
+        except Exception as exc:
+            log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, exc)
+        finally:  # even when cancelled at close: every task gets its answer
+            sizes = [_object_view(objects[i]).nbytes for i in stored]
+            with self._lock:
+                self._stores_done[task_id] = L2StoreResult(ok, sum(sizes))
+            if stored:
+                self._notify_keys_stored([keys[i] for i in stored], sizes)
+            self._store_fd.notify()
 
     async def _store_part(
         self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any]
-    ) -> list[bool]:
+    ) -> list[str]:
+        """Each object's outcome: "new" (stored now), "held" (the tier had it: not copied, not
+        written, not counted again) or "failed"."""
         size_class = await self._size_class(nbytes)
-        results: list[bool] = []
-        while len(results) < len(part):
-            slots = await size_class.take(len(part) - len(results))
-            chunk = part[len(results) : len(results) + len(slots)]
+        names = [object_key(keys[i]) for i in part]
+        held = await size_class.tier.lookup_each(names)
+        states = ["held" if h else "failed" for h in held]
+        todo = [j for j, h in enumerate(held) if not h]
+        done = 0
+        while done < len(todo):
+            slots = await size_class.take(len(todo) - done)
+            chunk = todo[done : done + len(slots)]
             try:
-                moved = [objects[i] for i in chunk]
-                await size_class.tier.run_cpu(nbytes * len(chunk), _copy_in, size_class.staging, slots, moved)
-                results += await size_class.tier.store([object_key(keys[i]) for i in chunk], slots)
+                moved = [objects[part[j]] for j in chunk]
+                await size_class.tier.run_cpu(nbytes * len(chunk), _copy_in, size_class, slots, moved)
+                results = await size_class.tier.store([names[j] for j in chunk], slots)
             finally:
                 await size_class.give(slots)
-        return results
+            for j, ok in zip(chunk, results):
+                states[j] = "new" if ok else "failed"
+            done += len(chunk)
+        return states
 
     async def _lookup(self, task_id: L2TaskId, keys: list[Any], sizes: list[int]) -> None:
         bitmap = Bitmap(len(keys))
@@ -370,29 +388,35 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                         self._locks[wanted[i]] += 1
         except Exception as exc:
             log.warning("kvtier LMCache adapter: lookup task %d failed: %r", task_id, exc)
-        with self._lock:
-            self._lookups_done[task_id] = bitmap
-        self._lookup_fd.notify()
+        finally:  # even when cancelled at close: every task gets its answer
+            with self._lock:
+                self._lookups_done[task_id] = bitmap
+            self._lookup_fd.notify()
 
     async def _load(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         bitmap = Bitmap(len(keys))
         loaded: list[int] = []
-        parts = self._parts(objects)
-        outcomes = await asyncio.gather(
-            *(self._load_part(nbytes, part, keys, objects) for nbytes, part in parts), return_exceptions=True
-        )
-        for (_, part), outcome in zip(parts, outcomes):
-            if isinstance(outcome, BaseException):  # its objects may be half-written: none counts
-                log.warning("kvtier LMCache adapter: load task %d failed in part: %r", task_id, outcome)
-                continue
-            loaded += [i for i, done in zip(part, outcome) if done]
-        for i in loaded:
-            bitmap.set(i)
-        with self._lock:
-            self._loads_done[task_id] = bitmap
-        if loaded:
-            self._notify_keys_accessed([keys[i] for i in loaded])
-        self._load_fd.notify()
+        try:
+            parts = self._parts(objects)
+            outcomes = await asyncio.gather(
+                *(self._load_part(nbytes, part, keys, objects) for nbytes, part in parts),
+                return_exceptions=True,
+            )
+            for (_, part), outcome in zip(parts, outcomes):
+                if isinstance(outcome, BaseException):  # its objects may be half-written: none counts
+                    log.warning("kvtier LMCache adapter: load task %d failed in part: %r", task_id, outcome)
+                    continue
+                loaded += [i for i, done in zip(part, outcome) if done]
+        except Exception as exc:
+            log.warning("kvtier LMCache adapter: load task %d failed: %r", task_id, exc)
+        finally:  # even when cancelled at close: every task gets its answer
+            for i in loaded:
+                bitmap.set(i)
+            with self._lock:
+                self._loads_done[task_id] = bitmap
+            if loaded:
+                self._notify_keys_accessed([keys[i] for i in loaded])
+            self._load_fd.notify()
 
     async def _load_part(
         self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any]
@@ -408,7 +432,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 if hits:
                     copied = [slot for slot, _ in hits]
                     await size_class.tier.run_cpu(
-                        nbytes * len(hits), _copy_out, size_class.staging, copied, [obj for _, obj in hits]
+                        nbytes * len(hits), _copy_out, size_class, copied, [obj for _, obj in hits]
                     )
             finally:
                 await size_class.give(slots)
@@ -417,9 +441,10 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
 
     # -- housekeeping ---------------------------------------------------------------------------------
     def delete(self, keys: list[Any]) -> None:
-        """Delete `keys` from the tier (LMCache's eviction); waits until done."""
-        if not keys:
-            return
+        """Delete `keys` from the tier (LMCache's eviction); waits until done. A no-op once closed."""
+        with self._lock:
+            if self._closed or not keys:
+                return
         sizes = self._bridge.call(self._delete([object_key(key) for key in keys]))
         gone = [(key, size) for key, size in zip(keys, sizes) if size]
         if gone:
@@ -480,15 +505,13 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         self._classes.clear()
 
 
-def _copy_in(staging: torch.Tensor, slots: list[int], objects: list[Any]) -> None:
-    """Worker thread: each object's bytes into its staging slot."""
+def _copy_in(size_class: _SizeClass, slots: list[int], objects: list[Any]) -> None:
+    """Worker thread: each object's bytes into its staging slot (the GIL released)."""
     for slot, obj in zip(slots, objects):
-        data = _object_bytes(obj)
-        staging[slot, : data.numel()].copy_(data)
+        copy_into(size_class.slot(slot), _object_view(obj))
 
 
-def _copy_out(staging: torch.Tensor, slots: list[int], objects: list[Any]) -> None:
-    """Worker thread: each loaded slot into its object."""
+def _copy_out(size_class: _SizeClass, slots: list[int], objects: list[Any]) -> None:
+    """Worker thread: each loaded slot into its object (the GIL released)."""
     for slot, obj in zip(slots, objects):
-        data = _object_bytes(obj)
-        data.copy_(staging[slot, : data.numel()])
+        copy_into(_object_view(obj), size_class.slot(slot))

@@ -69,6 +69,8 @@ def plugin_json() -> str:
 SWAPS: dict[str, Any] = {
     "MockL2Adapter": adapter_for_ours,
     "MockL2AdapterConfig": config_for_ours,
+    "FSL2Adapter": adapter_for_ours,
+    "FSL2AdapterConfig": config_for_ours,
     # examples/lmc_external_l2_adapter/tests/test_plugin.py builds its adapter from these
     "ADAPTER_JSON": plugin_json(),
     "ADAPTER_JSON_CFG": plugin_json(),
