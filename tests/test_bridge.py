@@ -80,3 +80,41 @@ def test_stop_joins_the_thread_and_later_work_is_refused_cleanly() -> None:
         with pytest.raises(ClosedError):
             bridge.call(where_am_i())
         bridge.call_soon(print, "never")  # ignored, not an error
+
+
+def test_settle_lets_tasks_finish_then_cancels_and_awaits_the_rest() -> None:
+    from kvtier_async.integrations.bridge import settle
+
+    async def scenario() -> tuple[int, list[str]]:
+        done: list[str] = []
+        release = asyncio.Event()
+
+        async def quick() -> None:
+            done.append("quick")
+
+        async def stuck() -> None:
+            try:
+                await release.wait()
+            finally:
+                done.append("stuck ended")
+
+        tasks = [asyncio.ensure_future(quick()), asyncio.ensure_future(stuck())]
+        cancelled = await settle(tasks, grace_s=0.05)
+        return cancelled, done
+
+    cancelled, done = asyncio.run(scenario())
+    assert cancelled == 1 and done == ["quick", "stuck ended"]  # the cancelled one has ended too
+
+
+def test_engine_config_checks_tier_and_limits_the_same_way_for_every_engine() -> None:
+    from kvtier_async.errors import ConfigError, UnknownTierError
+    from kvtier_async.integrations.bridge import engine_config
+
+    tier, limits = engine_config("x", "params", {"tier": {"type": "memory"}, "limits": {"io_threads": 2}})
+    assert tier == {"type": "memory"} and limits == {"io_threads": 2}
+    with pytest.raises(ConfigError, match='params needs a kvtier tier config under "tier"'):
+        engine_config("x", "params", {})
+    with pytest.raises(ConfigError, match='"limits"'):
+        engine_config("x", "params", {"tier": {"type": "memory"}, "limits": {"threads": 2}})
+    with pytest.raises(UnknownTierError):
+        engine_config("x", "params", {"tier": {"type": "nvme"}})

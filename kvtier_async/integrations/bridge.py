@@ -10,7 +10,11 @@ returns a `concurrent.futures.Future`, `call_soon` hands over a plain callback.
 
 A coroutine started here runs to its end on the loop even if the thread that
 waits for it gives up: tiers write into and read from the engine's memory, and
-only the loop knows when that has stopped.
+only the loop knows when that has stopped. At shutdown `settle` gives the tasks
+in flight a grace period, then cancels and awaits the rest.
+
+`engine_config` reads the two keys every integration takes from its engine's
+plug-in config, `"tier"` and `"limits"`, with the same checks and errors.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from ..errors import ClosedError
+from ..errors import ClosedError, ConfigError
+from ..factory import SecondaryTierFactory
+from ..spec import LIMIT_FIELDS
 
-__all__ = ["LoopThread"]
+__all__ = ["LoopThread", "engine_config", "settle"]
 
 T = TypeVar("T")
 
@@ -92,3 +98,34 @@ class LoopThread:
         if not on_loop_thread:
             self._thread.join()
             self.loop.close()
+
+
+async def settle(tasks: Collection[asyncio.Task[Any]], grace_s: float) -> int:
+    """Let `tasks` finish within `grace_s`, cancel those still running, and wait for them to end
+    (their I/O may touch the engine's memory until then). Returns how many were cancelled."""
+    if not tasks:
+        return 0
+    _, running = await asyncio.wait(set(tasks), timeout=grace_s)
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.wait(running)
+    return len(running)
+
+
+def engine_config(who: str, where: str, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The kvtier tier config (`"tier"`) and scheduler sizing (`"limits"`) an engine's plug-in config
+    holds, checked the same way for every integration: `who` names the integration and `where`
+    the engine's field, in the errors. An unknown tier type, or one whose module is not
+    installed, raises here, while the engine starts."""
+    tier = params.get("tier")
+    if not isinstance(tier, Mapping) or not isinstance(tier.get("type"), str):
+        raise ConfigError(
+            f'{who}: {where} needs a kvtier tier config under "tier", '
+            'e.g. "tier": {"type": "fs", "root": "/nvme/kv"}'
+        )
+    limits = params.get("limits") or {}
+    if not isinstance(limits, Mapping) or set(limits) - set(LIMIT_FIELDS):
+        raise ConfigError(f'{who}: "limits" must be a dict of {sorted(LIMIT_FIELDS)}, got {limits!r}')
+    SecondaryTierFactory.get_tier_class(tier["type"], tier.get("module_path"))
+    return dict(tier), dict(limits)

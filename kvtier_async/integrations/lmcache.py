@@ -63,9 +63,9 @@ from ..buffers import copy_into
 from ..errors import ClosedError, ConfigError
 from ..factory import SecondaryTierFactory
 from ..primary import reserve_host_memory
-from ..spec import LIMIT_FIELDS, OffloadingSpec
+from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
-from .bridge import LoopThread
+from .bridge import LoopThread, engine_config, settle
 
 __all__ = ["KVTierL2Adapter"]
 
@@ -157,26 +157,13 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
 
     def __init__(self, adapter_params: Mapping[str, Any], l1_memory_desc: Any = None) -> None:
         params = dict(getattr(adapter_params, "adapter_params", adapter_params) or {})
-        tier = params.get("tier")
-        if not isinstance(tier, Mapping) or not isinstance(tier.get("type"), str):
-            raise ConfigError(
-                'kvtier LMCache adapter: adapter_params needs a kvtier tier config under "tier", '
-                'e.g. "tier": {"type": "fs", "root": "/nvme/kv"}'
-            )
-        limits = params.get("limits") or {}
-        if not isinstance(limits, Mapping) or set(limits) - set(LIMIT_FIELDS):
-            raise ConfigError(
-                f'kvtier LMCache adapter: "limits" must be a dict of {sorted(LIMIT_FIELDS)}, got {limits!r}'
-            )
+        self.tier_config, self.limits = engine_config("kvtier LMCache adapter", "adapter_params", params)
         staging_mib = params.get("staging_mib", STAGING_MIB)
         if isinstance(staging_mib, bool) or not isinstance(staging_mib, int) or staging_mib < 1:
             raise ConfigError(
                 f'kvtier LMCache adapter: "staging_mib" must be an int >= 1, got {staging_mib!r}'
             )
-        SecondaryTierFactory.get_tier_class(tier["type"], tier.get("module_path"))  # unknown type: here
         super().__init__(max_capacity_bytes=0)
-        self.tier_config = dict(tier)
-        self.limits = dict(limits)
         self.staging_bytes = staging_mib << 20
         self._lock = threading.Lock()  # guards the task books below; LMCache's threads call at once
         self._next_task = 0
@@ -494,12 +481,8 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 notifier.close()
 
     async def _close(self) -> None:
-        if self._tasks:
-            _, running = await asyncio.wait(set(self._tasks), timeout=CLOSE_GRACE_S)
-            for task in running:
-                task.cancel()
-            if running:
-                await asyncio.wait(running)
+        if cancelled := await settle(self._tasks, CLOSE_GRACE_S):
+            log.warning("kvtier LMCache adapter: cancelled %d tasks still running at close", cancelled)
         for size_class in self._classes.values():
             await size_class.tier.aclose()
         self._classes.clear()

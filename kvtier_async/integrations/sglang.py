@@ -67,9 +67,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 from ..errors import ClosedError, ConfigError, InvalidArgumentError
 from ..factory import SecondaryTierFactory
 from ..primary import reserve_host_memory
-from ..spec import LIMIT_FIELDS, OffloadingSpec
+from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
-from .bridge import LoopThread
+from .bridge import LoopThread, engine_config
 
 __all__ = ["KNOWN_PAGES", "KVTierHiCacheStorage"]
 
@@ -186,22 +186,8 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        tier = extra.get("tier")
-        if not isinstance(tier, Mapping) or not isinstance(tier.get("type"), str):
-            raise ConfigError(
-                'kvtier SGLang backend: extra_config needs a kvtier tier config under "tier", '
-                'e.g. "tier": {"type": "fs", "root": "/nvme/kv"}'
-            )
-        limits = extra.get("limits") or {}
-        if not isinstance(limits, Mapping) or set(limits) - set(LIMIT_FIELDS):
-            raise ConfigError(
-                f'kvtier SGLang backend: "limits" must be a dict of {sorted(LIMIT_FIELDS)}, got {limits!r}'
-            )
-        # An unknown type, or a tier whose module is not installed, stops SGLang here.
-        SecondaryTierFactory.get_tier_class(tier["type"], tier.get("module_path"))
+        self.tier_config, self.limits = engine_config("kvtier SGLang backend", "extra_config", extra)
         self.storage_config = storage_config
-        self.tier_config = dict(tier)
-        self.limits = dict(limits)
         self._lock = threading.Lock()  # guards the fields below; controller threads call at once
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._closed = False

@@ -56,7 +56,7 @@ from ..factory import SecondaryTierFactory
 from ..keys import check_block_ids, check_keys, check_lengths
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
-from .bridge import LoopThread
+from .bridge import LoopThread, settle
 
 __all__ = ["METRICS", "KVTierSecondaryTier"]
 
@@ -480,13 +480,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 self._changed.notify_all()
 
     async def _close(self) -> None:
-        if self._tasks:
-            _, running = await asyncio.wait(set(self._tasks.values()), timeout=SHUTDOWN_GRACE_S)
-            for task in running:
-                task.cancel()
-            if running:
-                log.warning("kvtier vLLM tier: cancelled %d jobs still running at shutdown", len(running))
-                await asyncio.wait(running)
+        if cancelled := await settle(self._tasks.values(), SHUTDOWN_GRACE_S):
+            log.warning("kvtier vLLM tier: cancelled %d jobs still running at shutdown", cancelled)
         await self._tier.aclose()
 
     def _check_open(self) -> None:
