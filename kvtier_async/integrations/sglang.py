@@ -395,8 +395,8 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
 
     # -- SGLang's housekeeping -------------------------------------------------------------------------
     def clear(self) -> None:
-        """Delete the pages this backend knows it stored or found. Pages other engines stored in a
-        shared tier are theirs, and stay."""
+        """Delete the pages this backend remembers (stored, loaded or found present). Pages of a
+        shared tier it never met stay: one server's flush does not empty the fleet's cache."""
         bridge, tier, runs = self._ready()
         with self._lock:
             pages, self._known = list(self._known), OrderedDict()
