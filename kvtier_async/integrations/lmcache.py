@@ -75,6 +75,11 @@ log = logging.getLogger(__name__)
 STAGING_MIB = 256
 #: Staging slots per object size, at most.
 MAX_SLOTS = 256
+#: I/O threads per tier unless "limits" says otherwise: each chunk waits for its staging copy
+#: between LMCache's call and the tier's write, so the disk needs more requests in flight than
+#: the tier's own default (2 per core) keeps there. `bench/lmcache_l2.py`, 2 MiB chunks, 2 cores:
+#: stores 0.82x LMCache's fs adapter with 4 threads, 0.98x with 8.
+IO_THREADS = 8
 #: Bytes of objects copied and moved together: a task's parts run at once, so the copies of one
 #: part overlap the I/O of the others.
 PART_BYTES = 8 << 20
@@ -158,6 +163,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     def __init__(self, adapter_params: Mapping[str, Any], l1_memory_desc: Any = None) -> None:
         params = dict(getattr(adapter_params, "adapter_params", adapter_params) or {})
         self.tier_config, self.limits = engine_config("kvtier LMCache adapter", "adapter_params", params)
+        self.limits.setdefault("io_threads", IO_THREADS)
         staging_mib = params.get("staging_mib", STAGING_MIB)
         if isinstance(staging_mib, bool) or not isinstance(staging_mib, int) or staging_mib < 1:
             raise ConfigError(
