@@ -118,3 +118,13 @@ def test_engine_config_checks_tier_and_limits_the_same_way_for_every_engine() ->
         engine_config("x", "params", {"tier": {"type": "memory"}, "limits": {"threads": 2}})
     with pytest.raises(UnknownTierError):
         engine_config("x", "params", {"tier": {"type": "nvme"}})
+
+
+def test_finish_runs_the_last_work_then_stops_even_when_it_fails() -> None:
+    bridge = LoopThread("kvtier-test-bridge")
+    with pytest.raises(ValueError, match="from the loop"):
+        bridge.finish(fail())
+    assert not bridge.running and bridge.loop.is_closed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stopped bridge drops the work without running it
+        bridge.finish(where_am_i())

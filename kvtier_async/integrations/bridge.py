@@ -75,6 +75,18 @@ class LoopThread:
             if not self._stopped:
                 self.loop.call_soon_threadsafe(callback, *args)
 
+    def finish(self, last: Coroutine[Any, Any, Any]) -> None:
+        """Run `last` on the loop (the integration's own shutdown: its tasks settled, its tiers
+        closed) and wait for it, then stop, whatever `last` raised. If the loop has already
+        stopped, `last` is dropped unrun."""
+        try:
+            if self.running:
+                self.call(last)
+            else:
+                last.close()
+        finally:
+            self.stop()
+
     @property
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopped

@@ -479,10 +479,8 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 return
             self._closed = True
         try:
-            if self._bridge.running:
-                self._bridge.call(self._close())
+            self._bridge.finish(self._close())
         finally:
-            self._bridge.stop()
             for notifier in (self._store_fd, self._lookup_fd, self._load_fd):
                 notifier.close()
 

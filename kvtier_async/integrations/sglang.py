@@ -53,7 +53,6 @@ import logging
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,6 +69,7 @@ from ..primary import reserve_host_memory
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread, engine_config
+from .known_keys import KnownKeys
 
 __all__ = ["KNOWN_PAGES", "KVTierHiCacheStorage"]
 
@@ -189,7 +189,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         self.tier_config, self.limits = engine_config("kvtier SGLang backend", "extra_config", extra)
         self.storage_config = storage_config
         self._lock = threading.Lock()  # guards the fields below; controller threads call at once
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known: KnownKeys[bytes] = KnownKeys(KNOWN_PAGES)
         self._closed = False
         self._bridge: LoopThread | None = None
         self._tier: KVTier | None = None
@@ -263,15 +263,20 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             return self._bridge, self._tier, self._runs
 
     # -- the v1 path: pages in place in the host pool -----------------------------------------------
+    def _v1_args(
+        self, keys: list[str], host_indices: torch.Tensor
+    ) -> tuple[LoopThread, KVTier, _PageRuns, list[bytes], list[int]]:
+        """A v1 call checked before anything moves: the tier, the pages' keys and their runs' rows."""
+        bridge, tier, runs = self._ready()
+        return bridge, tier, runs, [_page_key(key) for key in keys], runs.rows(len(keys), host_indices)
+
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         """Store each page's runs from the host pool; True per page whose runs all were stored."""
         if not keys:
             return []
-        bridge, tier, runs = self._ready()
-        pages = [_page_key(key) for key in keys]
-        rows = runs.rows(len(keys), host_indices)
+        bridge, tier, runs, pages, rows = self._v1_args(keys, host_indices)
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)  # an MLA replica: the writer rank stores the shared copy
         started = time.perf_counter()
@@ -287,20 +292,14 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         """Load each page's runs into the host pool; True per page whose runs all arrived exact."""
         if not keys:
             return []
-        bridge, tier, runs = self._ready()
-        pages = [_page_key(key) for key in keys]
-        rows = runs.rows(len(keys), host_indices)
+        bridge, tier, runs, pages, rows = self._v1_args(keys, host_indices)
         started = time.perf_counter()
         results = bridge.call(tier.load(self._run_keys(pages, runs.runs), rows))
         loaded = self._per_page(results, runs.runs)
         self._record("prefetch_pgs", "get_gbps", sum(loaded), runs, started)
         with self._lock:
-            for page, ok in zip(pages, loaded):
-                if ok:
-                    self._known[page] = None
-                    self._known.move_to_end(page)
-                else:
-                    self._known.pop(page, None)
+            self._known.add(page for page, ok in zip(pages, loaded) if ok)
+            self._known.forget(page for page, ok in zip(pages, loaded) if not ok)
         return loaded
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -310,9 +309,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         bridge, tier, runs = self._ready()
         pages = [_page_key(key) for key in keys]
         with self._lock:
-            first_unknown = next((i for i, page in enumerate(pages) if page not in self._known), len(pages))
-            for page in pages[:first_unknown]:
-                self._known.move_to_end(page)
+            first_unknown = next(
+                (i for i, page in enumerate(pages) if not self._known.touch(page)), len(pages)
+            )
         if first_unknown == len(pages):
             return len(pages)  # answered from memory: no thread crossing
         rest = pages[first_unknown:]
@@ -339,17 +338,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
     # -- what this backend knows the tier holds ------------------------------------------------------
     def _remember(self, pages: Sequence[bytes]) -> None:
         with self._lock:
-            for page in pages:
-                self._known[page] = None
-                self._known.move_to_end(page)
-            while len(self._known) > KNOWN_PAGES:
-                self._known.popitem(last=False)
+            self._known.add(pages)
 
     def _on_removed(self, keys: list[bytes]) -> None:
         """The tier let go of runs (evicted, deleted, found corrupt): forget their pages (loop thread)."""
         with self._lock:
-            for key in keys:
-                self._known.pop(key[: -_RUN.size], None)
+            self._known.forget(key[: -_RUN.size] for key in keys)
 
     # -- the generic path: flat page tensors ----------------------------------------------------------
     def batch_set(
@@ -399,7 +393,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         shared tier it never met stay: one server's flush does not empty the fleet's cache."""
         bridge, tier, runs = self._ready()
         with self._lock:
-            pages, self._known = list(self._known), OrderedDict()
+            pages = self._known.take_all()
         if pages:
             bridge.call(tier.delete(self._run_keys(pages, runs.runs)))
 
@@ -440,13 +434,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             bridge, tier, generic = self._bridge, self._tier, self._generic
         if bridge is None:
             return
-        try:
-            if generic is not None:
-                bridge.call(generic.tier.aclose())
-            if tier is not None:
-                bridge.call(tier.aclose())
-        finally:
-            bridge.stop()
+        bridge.finish(_close_tiers([t for t in (generic.tier if generic else None, tier) if t is not None]))
+
+
+async def _close_tiers(tiers: list[KVTier]) -> None:
+    for tier in tiers:
+        await tier.aclose()
 
 
 async def _stats(tier: KVTier) -> dict[str, Any]:

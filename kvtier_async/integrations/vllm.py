@@ -27,7 +27,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -57,6 +56,7 @@ from ..keys import check_block_ids, check_keys, check_lengths
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread, settle
+from .known_keys import KnownKeys
 
 __all__ = ["METRICS", "KVTierSecondaryTier"]
 
@@ -160,7 +160,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._closed = False
         self._pending_jobs: set[int] = set()
         self._finished: list[JobResult] = []
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known: KnownKeys[bytes] = KnownKeys(KNOWN_KEYS)
         self._storing: dict[bytes, int] = {}  # keys in store jobs in flight, with how many
         self._asking: set[bytes] = set()  # keys queued or in flight for an existence check
         self._to_check: list[bytes] = []
@@ -207,15 +207,14 @@ class KVTierSecondaryTier(SecondaryTierManager):
         """HIT or MISS where known; RETRY while the key is being stored or asked about."""
         with self._lock:
             self._check_open()
-            if key in self._known:
-                self._known.move_to_end(key)
+            if self._known.touch(key):
                 return LookupResult.HIT
             if key in self._storing:
                 return LookupResult.RETRY
             answer = self._answers.get(key, self._older_answers.get(key))
             if answer is not None:
                 if answer:
-                    self._remember([key])
+                    self._known.add([key])
                 return LookupResult.HIT if answer else LookupResult.MISS
             if key not in self._asking:
                 self._asking.add(key)
@@ -254,22 +253,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
             for key, found in zip(keys, present):
                 self._asking.discard(key)
                 self._answers[key] = found
-            self._remember([key for key, found in zip(keys, present) if found])
+            self._known.add([key for key, found in zip(keys, present) if found])
             self._changed.notify_all()
-
-    def _remember(self, keys: Iterable[bytes]) -> None:
-        """Note keys the tier holds (lock held)."""
-        for key in keys:
-            self._known[key] = None
-            self._known.move_to_end(key)
-        while len(self._known) > KNOWN_KEYS:
-            self._known.popitem(last=False)
 
     def _on_removed(self, keys: list[bytes]) -> None:
         """The tier let go of `keys` (evicted, deleted, found corrupt): loop thread."""
         with self._lock:
-            for key in keys:
-                self._known.pop(key, None)
+            self._known.forget(keys)
             if self._events is not None:
                 self._events.append(self._event(keys, removed=True))
 
@@ -309,7 +299,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
                     self._storing[key] -= 1
                     if not self._storing[key]:
                         del self._storing[key]
-                self._remember(stored)
+                self._known.add(stored)
                 if self._events is not None and stored:
                     self._events.append(self._event(stored, removed=False))
         elapsed = time.monotonic() - started
@@ -326,9 +316,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         elapsed = time.monotonic() - started
         loaded = [OffloadKey(key) for key, ok in zip(keys, results) if ok]
         with self._lock:
-            for key, ok in zip(keys, results):
-                if not ok:
-                    self._known.pop(key, None)  # gone (evicted, or another process's server restarted)
+            # Gone (evicted, or another process's server restarted).
+            self._known.forget(key for key, ok in zip(keys, results) if not ok)
         complete = len(loaded) == len(keys)
         return JobResult(
             job_id=job_id,
@@ -468,10 +457,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 return
             self._closed = True
         try:
-            if self._bridge.running:
-                self._bridge.call(self._close())
+            self._bridge.finish(self._close())
         finally:
-            self._bridge.stop()
             with self._lock:
                 # Results of jobs that never started (the loop was gone); none touches memory now.
                 for job_id in self._pending_jobs:
