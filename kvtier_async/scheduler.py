@@ -15,6 +15,7 @@ import contextvars
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from enum import IntEnum
 from typing import Any, Literal, TypeVar
@@ -196,6 +197,11 @@ class Scheduler:
     async def run_cpu(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-bound `fn(*args)` (one that releases the GIL) on the CPU worker threads."""
         return await self._cpu_workers.run(fn, *args)
+
+    async def submit_cpu(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Queue CPU-bound `fn(*args)` on the CPU worker threads; its future, for a worker thread
+        to wait on (see `WorkerThreads.submit`)."""
+        return await self._cpu_workers.submit(fn, *args)
 
     def close(self) -> None:
         """Let the worker threads exit once idle; never blocks."""

@@ -27,7 +27,7 @@ import struct
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from .errors import ClosedError, InvalidArgumentError
@@ -90,6 +90,12 @@ class WorkerThreads:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
         executor = self._executor or await self.start()
         return await wait_uncancellable(asyncio.wrap_future(executor.submit(fn, *args)))
+
+    async def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Queue `fn(*args)` on a worker thread and return at once, for another thread to wait
+        on. The caller sees the future to its end before it lets go of what `fn` reads."""
+        executor = self._executor or await self.start()
+        return executor.submit(fn, *args)
 
     async def start(self) -> ThreadPoolExecutor:
         """Start the threads now, if not yet started (the first `run` otherwise does)."""

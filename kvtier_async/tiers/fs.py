@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ..block_format import payload_checksum
 from ..errors import ConfigError, KVTierError
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
+from ..workers import wait_uncancellable
 from .fs_layout import (
     ENTRY,
     FILE_MODE,
@@ -713,14 +715,16 @@ class FileSystemTier(SecondaryTierManager):
                 return results
             work = [(key, where, self._slot_offset(blocks[i]), deletion) for i, key, where, deletion in jobs]
             # The checksums are taken on the CPU threads while the I/O thread writes, so the
-            # disk never waits for them; the log entries that carry them go last.
-            summing = asyncio.ensure_future(self.scheduler.run_cpu(self._checksums, [w[2] for w in work]))
+            # disk never waits for them; the I/O thread then logs the entries that carry them,
+            # in the same job: one hand-off per batch, and the thread is free for the next one
+            # without a round trip through the loop.
+            summing = await self.scheduler.submit_cpu(self._checksums, [w[2] for w in work])
             try:
-                status, written, full = await self.run_blocking(self._write_data, work)
+                status, full, checksums = await self.run_blocking(self._write_data, work, summing)
             finally:
-                checksums = await summing
-            if written:
-                await self.run_blocking(self._log_written, work, written, checksums, status)
+                # Whatever happened, the primary slots are read to the end before we return.
+                with contextlib.suppress(Exception):
+                    await wait_uncancellable(asyncio.wrap_future(summing))
         except BaseException:
             # Cancelled (the thread, if any, has finished): these records are not published, and
             # what their log says now is unknown, so a deletion goes first when they are reused.
@@ -768,13 +772,13 @@ class FileSystemTier(SecondaryTierManager):
         return [payload_checksum(view[offset : offset + self.block_nbytes]) for offset in offsets]
 
     def _write_data(
-        self, jobs: list[tuple[bytes, Record, int, bool]]
-    ) -> tuple[list[str], list[int], dict[int, int]]:
-        """I/O thread: log deletions of reused records, then write the records' payloads.
+        self, jobs: list[tuple[bytes, Record, int, bool]], summing: Future[list[int]]
+    ) -> tuple[list[str], dict[int, int], list[int]]:
+        """I/O thread: log deletions of reused records, write the records' payloads, then, their
+        checksums in from `summing`, log the records written.
 
-        Returns per job "error" / "nospace" / "kept" (not written, its old entry stands) for
-        those not written, the jobs written (to be logged by `_log_written`), and the data
-        file sizes of slabs where the disk was full.
+        Returns per job "ok", or "error" / "nospace" / "kept" (not written, its old entry
+        stands); the data file sizes of slabs where the disk was full; the checksums.
         """
         status = ["error"] * len(jobs)
         by_slab: dict[int, list[int]] = {}
@@ -811,7 +815,10 @@ class FileSystemTier(SecondaryTierManager):
             if done and self.fsync:
                 os.fdatasync(state.data_fd)
             written += done
-        return status, written, full
+        checksums = summing.result()
+        if written:
+            self._log_written(jobs, written, checksums, status)
+        return status, full, checksums
 
     def _log_written(
         self,
