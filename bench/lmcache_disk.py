@@ -1,4 +1,4 @@
-"""Benchmark: our fs tier against LMCache 0.5.6's LocalDiskBackend, store and cold load, in one process.
+"""Benchmark: our fs tier against LMCache 0.5.6's LocalDiskBackend, store and cold load.
 
 LMCache pins its own dependencies, so this runs from an environment that has both:
 
@@ -7,11 +7,13 @@ LMCache pins its own dependencies, so this runs from an environment that has bot
 
 `bench/run_all.py --lmcache-python /tmp/lmvenv/bin/python` runs it for its "peers" record.
 
-Both sides run in one process, in rounds, each going first in every other round, and every
-round's ratio pairs the two on the same minute of the same disk. On this VM the first large
-write a process makes runs well below its second (1.3-1.9 against 2.0-2.5 GB/s at 32 MiB,
-whoever writes), and the disk's speed drifts from minute to minute; a process per side gave
-each one only first writes, and rounds minutes apart.
+Two harnesses (`--harness`), each in rounds where the two sides take turns to go first, and
+every round's ratio pairs the two on the same minute of the same disk:
+- "one-process": both sides in this process, each over the same memory in every round.
+- "processes": as a user runs each product, every side of every round in a new process of
+  its own (this script again, with `--side`), with memory it makes itself: LMCache's
+  allocator over its own memory, our tier over `--memory`. Each side times only its store
+  and loads, not its start-up.
 
 - LMCache, in its best configuration here: O_DIRECT on (`use_odirect`, which needs page-aligned
   buffers, so its allocator gets page-aligned huge-page memory, every page touched first as in
@@ -42,6 +44,7 @@ import json
 import mmap
 import random
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -58,6 +61,8 @@ from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAll
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+HARNESSES = ["one-process", "processes"]
 
 
 class LMCacheSide:
@@ -131,6 +136,82 @@ class LMCacheSide:
         }
 
 
+async def one_side(args: argparse.Namespace) -> dict[str, Any]:
+    """`--side`: one side's store and loads in this process, over memory of its own."""
+    block = args.block_mib[0] << 20
+    if args.side == "lmcache":
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        return await asyncio.to_thread(LMCacheSide(block, args.count, args.threads, loop).run, args.root)
+    with primary_memory(args.memory[0], memory_spec(block, args.count)) as view:
+        slots = torch.frombuffer(view, dtype=torch.uint8).view(2, args.count, -1)[:, :, :block]
+        slots[1].zero_()
+        out = await run_tier(args.root, block, args.count, args.threads, view)
+        out["exact"] = bool(torch.equal(slots[0], slots[1]))
+        del slots
+    return out
+
+
+async def in_processes(
+    args: argparse.Namespace, mib: int, count: int, memory: str, r: int, base: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Round `r` with each side in a new process: (ours, theirs)."""
+
+    async def side(name: str) -> dict[str, Any]:
+        out = base / f"{name}.json"
+        command = [
+            sys.executable,
+            __file__,
+            "--side",
+            name,
+            "--root",
+            str(base / f"{name}-{mib}-{r}"),
+            "--block-mib",
+            str(mib),
+            "--count",
+            str(count),
+            "--threads",
+            str(args.threads),
+            "--memory",
+            memory,
+            "--json",
+            str(out),
+        ]
+        process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.DEVNULL)
+        if await process.wait():
+            raise SystemExit(f"round {r}: the {name} process failed")
+        result: dict[str, Any] = json.loads(out.read_text())
+        await asyncio.to_thread(shutil.rmtree, base / f"{name}-{mib}-{r}", True)
+        return result
+
+    return await in_turn(r, partial(side, "kvtier"), partial(side, "lmcache"))
+
+
+async def in_one_process(
+    args: argparse.Namespace,
+    lmcache: LMCacheSide,
+    view: memoryview,
+    mib: int,
+    count: int,
+    r: int,
+    base: Path,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Round `r` with both sides in this process: (ours, theirs)."""
+    block = mib << 20
+    slots = torch.frombuffer(view, dtype=torch.uint8).view(2, count, -1)[:, :, :block]
+    slots[1].zero_()
+    ours_root, theirs_root = base / f"kvtier-{mib}-{r}", base / f"lmcache-{mib}-{r}"
+    ours, theirs = await in_turn(
+        r,
+        partial(run_tier, ours_root, block, count, args.threads, view),
+        partial(asyncio.to_thread, lmcache.run, theirs_root),
+    )
+    ours["exact"] = bool(torch.equal(slots[0], slots[1]))
+    for root in (ours_root, theirs_root):
+        await asyncio.to_thread(shutil.rmtree, root, True)
+    return ours, theirs
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-mib", type=int, nargs="+", default=[32, 2])
@@ -144,9 +225,25 @@ async def main() -> None:
         choices=KINDS,
         help="our primary memory (fs_tier.py's)",
     )
+    parser.add_argument(
+        "--harness",
+        nargs="+",
+        default=HARNESSES,
+        choices=HARNESSES,
+        help="both sides in one process, or each side of each round in a process of its own",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    # A side run alone, by the "processes" harness.
+    parser.add_argument("--side", choices=["kvtier", "lmcache"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.side:
+        result = await one_side(args)
+        if args.json:
+            args.json.write_text(json.dumps(result))
+        return
     base = Path(tempfile.mkdtemp(prefix="peers-bench-", dir=args.dir))
     lm_loop = asyncio.new_event_loop()  # LMCache's backends want a loop of their own to post to
     threading.Thread(target=lm_loop.run_forever, daemon=True).start()
@@ -155,38 +252,37 @@ async def main() -> None:
         for mib in args.block_mib:
             block = mib << 20
             count = block_count(args.gib, block, args.min_blocks)
-            lmcache = LMCacheSide(block, count, args.threads, lm_loop)
+            lmcache = None
+            if "one-process" in args.harness:
+                lmcache = LMCacheSide(block, count, args.threads, lm_loop)
             for memory in args.memory:
                 with primary_memory(memory, memory_spec(block, count)) as view:
-                    slots = torch.frombuffer(view, dtype=torch.uint8).view(2, count, -1)[:, :, :block]
-                    for r in range(args.rounds):
-                        slots[1].zero_()
-                        ours_root, theirs_root = base / f"kvtier-{mib}-{r}", base / f"lmcache-{mib}-{r}"
-                        ours, theirs = await in_turn(
-                            r,
-                            partial(run_tier, ours_root, block, count, args.threads, view),
-                            partial(asyncio.to_thread, lmcache.run, theirs_root),
-                        )
-                        if not (torch.equal(slots[0], slots[1]) and theirs["exact"]):
-                            raise SystemExit(f"round {r}: a load did not return the stored bytes")
-                        rounds.append(
-                            {
-                                "block_mib": mib,
-                                "memory": memory,
-                                "round": r,
-                                "kvtier": ours,
-                                "lmcache": theirs,
-                            }
-                        )
-                        print(
-                            f"{mib} MiB x {count} threads {args.threads} {memory} round {r}: "
-                            f"store kvtier {ours['store_gbps']:.2f} lmcache {theirs['store_gbps']:.2f} GB/s, "
-                            f"load kvtier {ours['load_gbps']:.2f} (fresh {ours['fresh_load_gbps']:.2f}) "
-                            f"lmcache {theirs['load_gbps']:.2f} (again {theirs['again_load_gbps']:.2f}) GB/s",
-                            flush=True,
-                        )
-                        for root in (ours_root, theirs_root):
-                            await asyncio.to_thread(shutil.rmtree, root, True)
+                    for harness in args.harness:
+                        for r in range(args.rounds):
+                            if lmcache is not None and harness == "one-process":
+                                ours, theirs = await in_one_process(args, lmcache, view, mib, count, r, base)
+                            else:
+                                ours, theirs = await in_processes(args, mib, count, memory, r, base)
+                            if not (ours["exact"] and theirs["exact"]):
+                                raise SystemExit(f"round {r}: a load did not return the stored bytes")
+                            rounds.append(
+                                {
+                                    "block_mib": mib,
+                                    "memory": memory,
+                                    "harness": harness,
+                                    "round": r,
+                                    "kvtier": ours,
+                                    "lmcache": theirs,
+                                }
+                            )
+                            print(
+                                f"{mib} MiB x {count} threads {args.threads} {memory} {harness} round {r}: "
+                                f"store kvtier {ours['store_gbps']:.2f} lmcache {theirs['store_gbps']:.2f} "
+                                f"GB/s, load kvtier {ours['load_gbps']:.2f} "
+                                f"(fresh {ours['fresh_load_gbps']:.2f}) lmcache {theirs['load_gbps']:.2f} "
+                                f"(again {theirs['again_load_gbps']:.2f}) GB/s",
+                                flush=True,
+                            )
             del lmcache
         if args.json:
             args.json.write_text(json.dumps(rounds))
