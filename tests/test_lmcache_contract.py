@@ -5,11 +5,13 @@ file runs in its own pytest process with the `kvtier_swap` plugin, which points 
 module's adapter under test at ours (no LMCache file is edited), once over an fs tier and once
 over a real Redis server; and once as LMCache wrote it, with its own adapter, as the control.
 Tests that check a mock's own internals rather than the adapter contract are deselected, each
-with the reason.
+with the reason. LMCache's check mode for L2 adapters (`lmcache.v1.basic_check --mode
+test_l2_adapter`) runs over ours and, as the control, over its mock adapter.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -32,8 +34,11 @@ MOCK = "tests/v1/distributed/test_mock_l2_adapter.py"
 PLUGIN = "examples/lmc_external_l2_adapter/tests/test_plugin.py"
 FS_DELETE = "tests/v1/distributed/test_fs_l2_adapter_delete.py"  # written for LMCache's fs adapter
 SALT_EVICTION = "tests/v1/distributed/test_cache_salt_l2_eviction.py"  # its quota eviction controller
+# Its real L1 manager, store and prefetch controllers over the adapter (the L2 cases; the others
+# run beside them, not touching the adapter). The `lmcache_cpu` plugin lets it run without a GPU.
+STORAGE_MANAGER = "tests/v1/distributed/test_distributed_storage_manager.py"
 #: Each file, and how many of its tests must pass with ours (all but the deselected).
-FILES = {MOCK: 40, PLUGIN: 11, FS_DELETE: 9, SALT_EVICTION: 6}
+FILES = {MOCK: 40, PLUGIN: 11, FS_DELETE: 9, SALT_EVICTION: 6, STORAGE_MANAGER: 29}
 
 #: Tests of LMCache's that check the adapter they were written for rather than the contract.
 NOT_THE_CONTRACT = {
@@ -60,6 +65,8 @@ NOT_THE_CONTRACT = {
 
 def run_lmcache_tests(test_file: str, root: Path, *, ours: bool, tier: str = "fs") -> tuple[int, str]:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    if test_file == STORAGE_MANAGER:
+        command += ["-p", "lmcache_cpu"]
     if ours:
         command += ["-p", "kvtier_swap"]
         for name in NOT_THE_CONTRACT.get(test_file, {}):
@@ -96,3 +103,45 @@ def test_ours_passes_lmcaches_adapter_tests(
     assert code == 0, output[-3000:]
     assert f"the adapter under test is KVTierL2Adapter over {tier}" in output, output[-3000:]
     assert passed(output) >= FILES[test_file], output[-3000:]
+
+
+CHECKED = ["correctly absent", "Batch store OK", "found", "Validation (loaded)", "Validation (content)"]
+
+
+@pytest.mark.parametrize("obj_size", [None, 512 << 10])  # LMCache's default (1024 bf16: 2 KiB), 1 MiB
+@pytest.mark.parametrize("tier", ["control", "fs", "redis"])
+def test_lmcaches_check_mode_for_l2_adapters(
+    tier: str, obj_size: int | None, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """`python -m lmcache.v1.basic_check --mode test_l2_adapter`, LMCache's own check of an L2
+    adapter built from a user's `--l2-adapter` JSON: lookups of absent keys, a batch store,
+    lookups, loads compared byte for byte. It prints its verdicts and exits 0 either way, so its
+    lines are read; LMCache's mock adapter goes through the same check as the control."""
+    if tier == "control":
+        spec: dict[str, object] = {"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 100}
+    else:
+        config: dict[str, object] = {"type": "fs", "root": str(tmp_path / "kv")}
+        if tier == "redis":
+            url = request.getfixturevalue("redis_server").url
+            config = {"type": "redis", "url": url, "prefix": f"check-{tmp_path.name}"}
+        spec = {
+            "type": "plugin",
+            "module_path": "kvtier_async.integrations.lmcache",
+            "class_name": "KVTierL2Adapter",
+            "adapter_params": {"tier": config},
+        }
+    keys = 16
+    command = [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter"]
+    command += ["--l2-adapter", json.dumps(spec), "--num-keys", str(keys)]
+    if obj_size is not None:
+        command += ["--obj-size", str(obj_size)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "Test Failed" not in output and "FAIL" not in output, output[-3000:]
+    assert "KVTierL2Adapter" in output if tier != "control" else "MockL2Adapter" in output
+    for what in CHECKED:
+        verdict = next((line for line in output.splitlines() if what in line), "")
+        assert verdict, f"no {what!r} line in:\n{output[-3000:]}"
+        if "/" in verdict:
+            assert re.search(rf"\b{keys}/{keys}\b", verdict), verdict

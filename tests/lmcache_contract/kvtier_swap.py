@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
-from kvtier_async.integrations.lmcache import KVTierL2Adapter
+from kvtier_async.integrations.lmcache import KVTierL2Adapter, object_key
 
 # What LMCache's conftest patches, as it is before any test runs.
 _REAL_REDIS = [
@@ -43,15 +44,37 @@ def tier_config() -> dict[str, Any]:
     return {"type": "fs", "root": tempfile.mkdtemp(prefix="kvtier-lmcache-", dir=under)}
 
 
-def config_for_ours(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Stands in for the mock adapter's config class: whatever it was given, our tier config."""
-    return {"tier": tier_config()}
+def config_for_ours(*args: Any, **kwargs: Any) -> PluginL2AdapterConfig:
+    """Stands in for the mock adapter's config class: whatever it was given, the `plugin` config a
+    user writes for ours (LMCache's factory builds an adapter from it, as its storage manager does)."""
+    return PluginL2AdapterConfig(
+        module_path="kvtier_async.integrations.lmcache",
+        class_name="KVTierL2Adapter",
+        adapter_params={"tier": tier_config()},
+    )
 
 
 def adapter_for_ours(config: Any, *args: Any, **kwargs: Any) -> KVTierL2Adapter:
-    return KVTierL2Adapter(
-        config if isinstance(config, dict) and "tier" in config else {"tier": tier_config()}
-    )
+    if isinstance(config, PluginL2AdapterConfig):
+        return KVTierL2Adapter(config.adapter_params)
+    return KVTierL2Adapter({"tier": tier_config()})
+
+
+def debug_has_key(adapter: KVTierL2Adapter, key: Any) -> bool:
+    """What LMCache's storage-manager tests ask their mock (`debug_has_key`) to learn that a
+    store reached L2: asked of our tiers, every size class the adapter has opened."""
+    wanted = object_key(key)
+
+    async def ask() -> bool:
+        for size_class in list(adapter._classes.values()):
+            if (await size_class.tier.lookup_each([wanted]))[0]:
+                return True
+        return False
+
+    return adapter._bridge.call(ask())
+
+
+KVTierL2Adapter.debug_has_key = debug_has_key  # in the test process only
 
 
 def plugin_json() -> str:
