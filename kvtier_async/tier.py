@@ -164,6 +164,21 @@ class SecondaryTierManager(AsyncResource):
         """Backend-specific gauges and counters merged into `stats()`."""
         return {}
 
+    def hold(self, keys: Sequence[bytes]) -> list[bool]:
+        """Keep each key from this tier's own eviction until `release` (event-loop thread, no I/O).
+
+        True where the tier holds the key and promises to keep it: until as many `release`
+        calls, new blocks neither evict nor overwrite it (a store finding no other room fails
+        instead; `delete` still removes it). False where it does not hold the key or cannot
+        promise: the default, right for a tier whose server evicts on its own (Redis under
+        `maxmemory`). Engines that lock what a lookup found (LMCache's L2 adapters) use it.
+        """
+        check_keys(keys)
+        return [False] * len(keys)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """Give back one `hold` of each key that `hold` answered True for (event-loop thread)."""
+
     def notify_removed(self, keys: list[bytes]) -> None:
         """Tell the `removal_listeners` that this tier no longer holds `keys` (event-loop thread)."""
         if not keys:

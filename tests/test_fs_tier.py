@@ -605,6 +605,44 @@ async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Pa
 
 
 @pytest.mark.asyncio
+async def test_a_held_block_is_never_evicted_until_released(tmp_path: Path) -> None:
+    capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    async with tier:
+        victim = h.key_for(0)
+        await h.store_keys(tier, primary, [victim])
+        assert tier.hold([victim, h.key_for(999)]) == [True, False]  # the second is not held
+        assert tier.hold([victim]) == [True]  # holds count
+        for start in range(1, 40, 4):  # the tier filled several times over
+            await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])
+        assert tier.stats()["evictions"] > 8
+        assert await h.load_and_check(tier, primary, [victim]) == [True]
+        tier.release([victim])
+        await h.store_keys(tier, primary, [h.key_for(i) for i in range(40, 52)])
+        assert await tier.contains([victim]) == [True]  # one hold left
+        tier.release([victim])
+        tier.release([victim])  # one release too many: harmless
+        for start in range(52, 80, 4):
+            await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])
+        assert await tier.contains([victim]) == [False]  # released: evicted like any other
+
+
+@pytest.mark.asyncio
+async def test_a_held_block_is_still_deleted_when_asked(tmp_path: Path) -> None:
+    capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
+    async with tier:
+        victim = h.key_for(0)
+        await h.store_keys(tier, primary, [victim])
+        assert tier.hold([victim]) == [True]
+        assert await tier.delete([victim]) == 1
+        assert await tier.contains([victim]) == [False]
+        tier.release([victim])  # its record is room again
+        for start in range(1, 40, 4):
+            assert await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)]) == [True] * 4
+
+
+@pytest.mark.asyncio
 async def test_auto_falls_back_to_buffered_io_where_o_direct_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -300,3 +300,25 @@ def test_two_servers_on_one_host_share_a_root(fs: dict[str, Any]) -> None:
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_locked_chunk_is_not_evicted_until_unlocked(tmp_path: Path) -> None:
+    from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+
+    capacity = 8 * (record_bytes_for(CHUNK) + 4 * ENTRY)  # 8 chunks, all processes together
+    adapter = build({"type": "fs", "root": str(tmp_path / "kv"), "capacity_bytes": capacity})
+    try:
+        locked = chunk(seed=7)
+        assert store(adapter, [key(0)], [locked]).is_successful()
+        assert lookup(adapter, [key(0)]) == [True]  # locked now
+        for start in range(1, 41, 4):  # the tier filled five times over meanwhile
+            assert store(adapter, [key(i) for i in range(start, start + 4)], [chunk(seed=i) for i in range(4)])
+        assert lookup(adapter, [key(1)]) == [False]  # others were evicted
+        target = chunk()
+        assert load(adapter, [key(0)], [target]) == [True] and same(locked, target)
+        adapter.submit_unlock([key(0), key(0)])  # the lookups' two locks
+        for start in range(41, 81, 4):
+            store(adapter, [key(i) for i in range(start, start + 4)], [chunk(seed=i) for i in range(4)])
+        assert lookup(adapter, [key(0)]) == [False]  # unlocked: evicted like any other
+    finally:
+        adapter.close()

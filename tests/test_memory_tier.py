@@ -41,6 +41,30 @@ async def test_stores_beyond_the_pending_budget_are_dropped() -> None:
 
 
 @pytest.mark.asyncio
+async def test_held_blocks_are_passed_over_by_eviction_until_released() -> None:
+    import kvtier_async as kt
+    from kvtier_async.testing import make_key
+
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    tier = kt.SecondaryTierFactory.create_secondary_tier(
+        {"type": "memory", "capacity_bytes": 2 * 4096}, primary.view, spec
+    )
+    async with tier:
+        a, b, c, d = (make_key(i) for i in range(4))
+        assert await tier.store([a, b], [0, 1]) == [True, True]
+        assert tier.hold([a, c]) == [True, False]
+        assert await tier.store([c], [2]) == [True]  # evicts b, the oldest not held
+        assert await tier.contains([a, b, c]) == [True, False, True]
+        assert tier.hold([c]) == [True]
+        assert await tier.store([d], [3]) == [False]  # every block held: no room, nothing lost
+        assert await tier.contains([a, c, d]) == [True, True, False]
+        tier.release([a])
+        assert await tier.store([d], [3]) == [True]  # a goes now
+        assert await tier.contains([a, c, d]) == [False, True, True]
+
+
+@pytest.mark.asyncio
 async def test_a_failed_open_is_a_fault_not_an_exception_and_is_retried() -> None:
     import kvtier_async as kt
     from kvtier_async.testing import make_key

@@ -32,13 +32,15 @@ becomes one kvtier key, a BLAKE2b digest of all five fields: two models, ranks,
 groups or salts never share a block, and the tier's block format checks each
 block against its key and checksum on every load.
 
-Lookup and lock. A lookup answers which keys the tier holds and counts a lock
-on each hit; `submit_unlock` gives locks back. kvtier's tiers manage their own
-capacity (the fs tier's `capacity_bytes`, a Redis server's `maxmemory`): a
-locked block may still be evicted by its tier, and its load then misses, which
-LMCache's contract allows (a load may fail; it checks the bitmap). The adapter
-reports no capacity to LMCache (`max_capacity_bytes` 0), so LMCache does not
-drive eviction itself; `delete` works when it asks.
+Lookup and lock. A lookup answers which keys the tier holds and locks each hit
+until `submit_unlock` gives it back: the tier `hold`s the block, so its own
+eviction passes it over (the fs tier for blocks this process wrote, the memory
+tier for all). Where the tier cannot promise that (a Redis server evicting under
+`maxmemory`, a block another process's fs tier wrote and may evict), a locked
+block may still go, and its load then misses, which LMCache's contract allows (a
+load may fail; it checks the bitmap). The adapter reports no capacity to LMCache
+(`max_capacity_bytes` 0), so LMCache does not drive eviction itself; `delete`
+works when it asks.
 
 This module imports LMCache; `import kvtier_async` does not.
 """
@@ -177,6 +179,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         self._lookups_done: dict[L2TaskId, Bitmap] = {}
         self._loads_done: dict[L2TaskId, Bitmap] = {}
         self._locks: Counter[bytes] = Counter()
+        # Per locked key, per lock, the size class whose tier holds its block (None: it could not).
+        # Touched on the loop thread only.
+        self._held: dict[bytes, list[_SizeClass | None]] = {}
         self._closed = False
         self._store_fd = create_event_notifier()
         self._lookup_fd = create_event_notifier()
@@ -238,12 +243,15 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             return self._lookups_done.pop(task_id, None)
 
     def submit_unlock(self, keys: list[Any]) -> None:
+        wanted = [object_key(key) for key in keys]
         with self._lock:
-            for key in map(object_key, keys):
+            unlocked = [key for key in wanted if self._locks[key]]
+            for key in unlocked:
                 if self._locks[key] > 1:
                     self._locks[key] -= 1
                 else:
                     self._locks.pop(key, None)
+        self._bridge.call_soon(self._release, unlocked)  # after the lookup that locked them
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         """Load `keys` into `objects` (LMCache's buffers) in the background; the bitmap via
@@ -366,6 +374,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             for nbytes in sizes:  # the groups' full-chunk sizes: opened here after a restart
                 await self._size_class(nbytes)
             present = [False] * len(keys)
+            found_in: list[_SizeClass | None] = [None] * len(keys)
             # An object's size is not in its key: ask the tier of every size opened so far.
             for size_class in list(self._classes.values()):
                 todo = [i for i, hit in enumerate(present) if not hit]
@@ -374,6 +383,12 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 found = await size_class.tier.lookup_each([wanted[i] for i in todo])
                 for i, hit in zip(todo, found):
                     present[i] = hit
+                    if hit:
+                        found_in[i] = size_class
+            for size_class in {id(c): c for c in found_in if c is not None}.values():
+                mine = [i for i, c in enumerate(found_in) if c is size_class]
+                for i, held in zip(mine, size_class.tier.hold([wanted[i] for i in mine])):
+                    self._held.setdefault(wanted[i], []).append(size_class if held else None)
             with self._lock:
                 for i, hit in enumerate(present):
                     if hit:
@@ -385,6 +400,18 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             with self._lock:
                 self._lookups_done[task_id] = bitmap
             self._lookup_fd.notify()
+
+    def _release(self, keys: list[bytes]) -> None:
+        """Loop thread: give back one lock of each key to the tier that held it."""
+        for key in keys:
+            holders = self._held.get(key)
+            if not holders:
+                continue
+            size_class = holders.pop()
+            if not holders:
+                del self._held[key]
+            if size_class is not None:
+                size_class.tier.release([key])
 
     async def _load(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         bitmap = Bitmap(len(keys))

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..block_format import payload_checksum
 from ..errors import ConfigError, KVTierError
+from ..keys import check_keys
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from ..workers import wait_uncancellable
@@ -223,6 +224,7 @@ class FileSystemTier(SecondaryTierManager):
         self._lru: OrderedDict[Record, None] = OrderedDict()  # own, published, unread; oldest first
         self._readers: Counter[Record] = Counter()
         self._doomed: set[Record] = set()  # own, dropped while being read: freed at the last unpin
+        self._holds: dict[bytes, list[Record]] = {}  # `hold`s not yet released: each pins its record
         self._free: list[Record] = []  # own records that hold nothing; popped from the end
         self._disk_live: set[Record] = set()  # own records whose last log entry names a block
         self._age: dict[Record, int] = {}  # own published records: when written (wall-clock ns)
@@ -1077,6 +1079,37 @@ class FileSystemTier(SecondaryTierManager):
                 append_to_log(slab_path(self.directory, self.block_nbytes, slab, "idx"), entry)
             except OSError as exc:
                 self.fault_log.warning("delete", "fs tier %r: logging a deletion failed: %s", self.name, exc)
+
+    def hold(self, keys: Sequence[bytes]) -> list[bool]:
+        # docstring inherited. A hold pins the record as a read in flight does (never evicted or
+        # reused until the last unpin); another process's record is its writer's to evict: False.
+        check_keys(keys)
+        if self._closed:
+            return [False] * len(keys)
+        held = []
+        for key in keys:
+            where = self._where.get(key)
+            if where is None or where[0] not in self._own:
+                held.append(False)
+                continue
+            self._readers[where] += 1
+            self._lru.pop(where, None)
+            self._holds.setdefault(key, []).append(where)
+            held.append(True)
+        return held
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        # docstring inherited
+        for key in keys:
+            places = self._holds.get(key)
+            if not places:
+                continue
+            where = places.pop()
+            if not places:
+                del self._holds[key]
+            slab = self._own.get(where[0])
+            if slab is not None:  # else closed meanwhile: nothing left to unpin
+                self._unpin(where, slab)
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from ..keys import check_keys
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 
@@ -49,6 +50,7 @@ class MemoryTier(SecondaryTierManager):
             )
         self.capacity_bytes = capacity_bytes
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # oldest first
+        self._held: Counter[bytes] = Counter()  # `hold`s not yet released: never evicted
 
     @property
     def capacity_blocks(self) -> int:
@@ -67,10 +69,14 @@ class MemoryTier(SecondaryTierManager):
             if keys[i] in self._blocks:  # stored meanwhile by a concurrent call
                 continue
             while len(self._blocks) >= self.capacity_blocks:
-                evicted, _ = self._blocks.popitem(last=False)
+                evicted = next((key for key in self._blocks if not self._held[key]), None)
+                if evicted is None:
+                    break  # every block held: no room for this one
+                del self._blocks[evicted]
                 self.counters["evictions"] += 1
                 self.notify_removed([evicted])
-            self._blocks[keys[i]] = copy
+            if len(self._blocks) < self.capacity_blocks:
+                self._blocks[keys[i]] = copy
         return [key in self._blocks for key in keys]
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
@@ -92,6 +98,21 @@ class MemoryTier(SecondaryTierManager):
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited
         return [key in self._blocks for key in keys]
+
+    def hold(self, keys: Sequence[bytes]) -> list[bool]:
+        # docstring inherited
+        check_keys(keys)
+        held = [key in self._blocks for key in keys]
+        self._held.update(key for key, ok in zip(keys, held) if ok)
+        return held
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        # docstring inherited
+        for key in keys:
+            if self._held[key] > 1:
+                self._held[key] -= 1
+            else:
+                self._held.pop(key, None)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         # docstring inherited
