@@ -639,7 +639,8 @@ async def test_a_held_block_is_still_deleted_when_asked(tmp_path: Path) -> None:
         assert await tier.contains([victim]) == [False]
         tier.release([victim])  # its record is room again
         for start in range(1, 40, 4):
-            assert await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)]) == [True] * 4
+            keys = [h.key_for(i) for i in range(start, start + 4)]
+            assert await h.store_keys(tier, primary, keys) == [True] * 4
 
 
 @pytest.mark.asyncio

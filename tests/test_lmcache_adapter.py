@@ -312,7 +312,8 @@ def test_a_locked_chunk_is_not_evicted_until_unlocked(tmp_path: Path) -> None:
         assert store(adapter, [key(0)], [locked]).is_successful()
         assert lookup(adapter, [key(0)]) == [True]  # locked now
         for start in range(1, 41, 4):  # the tier filled five times over meanwhile
-            assert store(adapter, [key(i) for i in range(start, start + 4)], [chunk(seed=i) for i in range(4)])
+            keys = [key(i) for i in range(start, start + 4)]
+            assert store(adapter, keys, [chunk(seed=i) for i in range(4)]).is_successful()
         assert lookup(adapter, [key(1)]) == [False]  # others were evicted
         target = chunk()
         assert load(adapter, [key(0)], [target]) == [True] and same(locked, target)
