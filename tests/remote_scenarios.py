@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import mmap
+import random
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import kvtier_async as kt
@@ -188,3 +192,69 @@ async def shared_between_processes(tier_config: dict[str, Any], work: Path) -> N
     other = kt.block_hashes(range(16 * 12), 16, namespace="other")
     async with kt.TieredKVCache(spec_for("other"), device) as cache:
         assert await cache.lookup(other) == 0  # another namespace sees none of it
+
+
+#: A serving frontend's burst: this many callers at once, each mixing stores, lookups and loads.
+CALLERS = 256
+BATCH = 4  # blocks per call
+SHARED_KEYS = 64  # every caller stores and reads some of these too, as requests share prefixes
+
+
+def content_of(key: bytes, nbytes: int) -> bytes:
+    """A block's bytes as a function of its key, so any caller can check any block it loads."""
+    return hashlib.shake_256(key).digest(nbytes)
+
+
+async def many_callers_at_once(
+    tier_config: dict[str, Any], caplog: pytest.LogCaptureFixture, *, rounds: int = 4
+) -> dict[str, Any]:
+    """`CALLERS` tasks start together at default settings, each storing, looking up and loading
+    batches of 64 KiB blocks, private and shared. However far that outruns the tier's
+    connections or requests, nothing fails for the tier's own reasons: no call raises, no error
+    or fault is counted, nothing is logged at WARNING, the breaker stays closed, every store
+    the pending budget accepted is acknowledged, and every acknowledged block is found and
+    loads byte-exact. Returns the tier's stats."""
+    nbytes = 64 << 10
+    spec = kt.OffloadingSpec(block_nbytes=nbytes, num_cpu_blocks=CALLERS * 2 * BATCH, namespace="burst")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    tier = kt.SecondaryTierFactory.create_secondary_tier(tier_config, primary.view, spec)
+    shared = [make_key(i, b"shared") for i in range(SHARED_KEYS)]
+    acknowledged: set[bytes] = set()
+    refused = 0
+    start = asyncio.Event()
+
+    async def caller(n: int) -> None:
+        nonlocal refused
+        rng = random.Random(n)
+        mine = [make_key(n * 1000 + i, b"private") for i in range(rounds * BATCH)]
+        sources = [n * 2 * BATCH + i for i in range(BATCH)]
+        targets = [n * 2 * BATCH + BATCH + i for i in range(BATCH)]
+        await start.wait()
+        for r in range(rounds):
+            fresh = mine[r * BATCH : (r + 1) * BATCH]
+            keys = fresh if rng.random() < 0.5 else rng.sample(shared, BATCH)
+            for key, slot in zip(keys, sources):
+                primary.slot_view(slot)[:] = content_of(key, nbytes)
+            stored = await tier.store(keys, sources)
+            acknowledged.update(k for k, ok in zip(keys, stored) if ok)
+            refused += stored.count(False)
+            known = [k for k in keys if k in acknowledged]
+            if rng.random() < 0.5:
+                assert await tier.lookup(known) == len(known), "an acknowledged block was not found"
+            loaded = await tier.load(known, targets[: len(known)])
+            assert loaded == [True] * len(known), "an acknowledged block did not load"
+            for key, slot in zip(known, targets):
+                assert bytes(primary.slot_view(slot)) == content_of(key, nbytes), "wrong bytes"
+
+    with caplog.at_level(logging.WARNING, logger="kvtier_async"):
+        async with tier:
+            callers = [asyncio.ensure_future(caller(n)) for n in range(CALLERS)]
+            start.set()
+            await asyncio.gather(*callers)
+            stats: dict[str, Any] = tier.stats()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert stats["errors"] == 0 and stats["calls_skipped_while_down"] == 0, stats
+    assert stats["fault_breaker"] == "closed"
+    assert stats["store_failed_blocks"] == 0 and refused == stats["stores_dropped"], stats
+    assert stats["load_misses"] == 0, stats
+    return stats

@@ -44,6 +44,18 @@ class TestObjectStoreTier(TierContractTests):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("limit", [{}, {"max_requests": 4}], ids=["defaults", "four-requests"])
+async def test_256_callers_at_once_fail_nothing_for_our_own_reasons(
+    s3_server: servers.S3Server, caplog: pytest.LogCaptureFixture, limit: dict[str, int]
+) -> None:
+    # A request per block: with four at the server, nearly every one waits its turn at the gate.
+    stats = await scenarios.many_callers_at_once(config(s3_server.endpoint, **limit), caplog, rounds=2)
+    assert stats["server_gate"]["max_inflight_seen"] <= stats["server_gate"]["limit"]
+    if limit:
+        assert stats["server_gate"]["waited_s"] > 0  # the queue was exercised
+
+
+@pytest.mark.asyncio
 async def test_an_object_changed_out_of_band_is_a_counted_miss(s3_server: servers.S3Server) -> None:
     tier, primary = scenarios.make_tier(config(s3_server.endpoint))
     async with tier:

@@ -57,6 +57,25 @@ class TestRedisClusterTier(TierContractTests):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("limit", [{}, {"max_connections": 2}], ids=["defaults", "two-connections"])
+async def test_256_callers_at_once_fail_nothing_for_our_own_reasons(
+    redis_server: servers.RedisServer, caplog: pytest.LogCaptureFixture, limit: dict[str, int]
+) -> None:
+    # With two connections nearly every pipeline waits its turn at the gate: a wait, not a fault.
+    stats = await scenarios.many_callers_at_once(config(redis_server.url, **limit), caplog)
+    assert stats["server_gate"]["max_inflight_seen"] <= stats["server_gate"]["limit"]
+    if limit:
+        assert stats["server_gate"]["waited_s"] > 0  # the queue was exercised
+
+
+@pytest.mark.asyncio
+async def test_256_callers_at_once_on_a_cluster_fail_nothing_for_our_own_reasons(
+    redis_cluster: servers.RedisCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    await scenarios.many_callers_at_once(config(redis_cluster.url, cluster=True, max_connections=2), caplog)
+
+
+@pytest.mark.asyncio
 async def test_a_value_changed_out_of_band_is_a_counted_miss(redis_server: servers.RedisServer) -> None:
     tier, primary = scenarios.make_tier(config(redis_server.url))
     async with tier:
