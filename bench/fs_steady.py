@@ -39,7 +39,7 @@ from fs_tier import memory_spec, primary_memory
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
-from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
 
 async def run_tier(work: Path, block_nbytes: int, count: int, threads: int, view: memoryview) -> float:

@@ -19,7 +19,7 @@ of the rounds' ours / vLLM's ratios (common.paired_ratio). Each round also recor
 scattered in RAM the pages of each engine's primary region lay (the fraction of neighbouring
 pages that are not neighbours in RAM; None where the kernel hides frame numbers): O_DIRECT
 I/O straight into scattered pages runs at about half the disk's speed on a VM, and vLLM's
-fs tier does that, while ours stages it (`kvtier_async.tiers.fs_staging`). Nothing here asserts.
+fs tier does that, while ours stages it (`kvtier_async.tiers.fs.staging`). Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm_engine import ADAPTER, Engine, chunk_keys, make_manager, random_rows
 
 import kvtier_async as kt
-from kvtier_async.tiers.fs_staging import scattered_fraction
+from kvtier_async.tiers.fs.staging import scattered_fraction
 
 
 def tier_configs(name: str, root: Path, threads: int | None) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """The self-verifying block format of the tiers that store a block as one value under a name
 (Redis, object stores); the file-system tier keeps key and checksum in its index instead
-(`tiers/fs_layout.py`).
+(`tiers/fs/layout.py`).
 
 A stored block is a 4096-byte header followed by the payload:
 

@@ -135,7 +135,7 @@ def _size(text: str) -> int:
 
 
 def _fs_command(args: argparse.Namespace) -> int:
-    from .tiers import fs_admin
+    from .tiers.fs import admin as fs_admin
 
     gib = 1 << 30
     if args.fs_command == "stat":

@@ -24,7 +24,7 @@ from pathlib import Path
 import fs_helpers as h
 from fs_process import POOL, counts_in
 
-from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
 HERE = Path(__file__).resolve().parent
 

@@ -82,7 +82,7 @@ def _store_some(root: Path, count: int, namespace: str = "cli-tests") -> list[by
 def test_fs_stat_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import fs_helpers as h
 
-    from kvtier_async.tiers.fs_layout import record_bytes_for
+    from kvtier_async.tiers.fs.layout import record_bytes_for
 
     _store_some(tmp_path, 40)
     _store_some(tmp_path, 5, namespace="other-model")

@@ -13,7 +13,7 @@ from kvtier_async.block_format import (
     pack_header,
     verify_header,
 )
-from kvtier_async.tiers.fs_layout import (
+from kvtier_async.tiers.fs.layout import (
     ENTRY,
     compact_log,
     decode_entries,

@@ -14,7 +14,7 @@ import fs_helpers as h
 import pytest
 from fs_process import POOL, counts_in
 
-from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
 HERE = Path(__file__).resolve().parent
 RECORD = record_bytes_for(h.BLOCK_NBYTES)

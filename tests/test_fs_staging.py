@@ -1,4 +1,4 @@
-"""Staged O_DIRECT I/O (`kvtier_async.tiers.fs_staging`): when it is chosen, and that the bytes
+"""Staged O_DIRECT I/O (`kvtier_async.tiers.fs.staging`): when it is chosen, and that the bytes
 come back exact through it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import kvtier_async as kt
 from kvtier_async.primary import reserve_host_memory
 from kvtier_async.tiers.fs import FileSystemTier
-from kvtier_async.tiers.fs_staging import STAGE_BYTES, pages_scattered, scattered_fraction
+from kvtier_async.tiers.fs.staging import STAGE_BYTES, pages_scattered, scattered_fraction
 
 PAGES = 2048  # 8 MiB regions
 

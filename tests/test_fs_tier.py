@@ -21,10 +21,10 @@ import pytest
 
 import kvtier_async as kt
 import kvtier_async.tiers.fs
-import kvtier_async.tiers.fs_admin
+import kvtier_async.tiers.fs.admin
 from kvtier_async.spec import OffloadingSpec
 from kvtier_async.testing import TierContractTests
-from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
 
 class FsContract(TierContractTests):
@@ -76,7 +76,7 @@ def files(root: Path, pattern: str = "*") -> list[Path]:
 
 
 def damage_slab(root: Path, damage: str, victim: int) -> None:
-    from kvtier_async.tiers.fs_layout import record_bytes_for
+    from kvtier_async.tiers.fs.layout import record_bytes_for
 
     [slab] = slab_files(root)
     size = record_bytes_for(h.BLOCK_NBYTES)
@@ -225,7 +225,7 @@ async def test_files_are_owner_only(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_capacity_bounds_the_bytes_on_disk_and_evicts_oldest(tmp_path: Path) -> None:
-    from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+    from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
     capacity = 20 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
@@ -250,7 +250,7 @@ async def test_capacity_bounds_the_bytes_on_disk_and_evicts_oldest(tmp_path: Pat
 
 @pytest.mark.asyncio
 async def test_the_next_slab_is_claimed_before_the_stores_need_it(tmp_path: Path) -> None:
-    from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+    from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
     # 16 slabs of 8 records: past half a slab, the next one is claimed in the background, so a
     # store never waits for a slab's fallocate behind the writes in flight.
@@ -281,19 +281,19 @@ async def test_a_claim_that_has_finished_is_never_handed_out(tmp_path: Path) -> 
     tier, primary = h.make_tier(str(tmp_path))
     handed_out: list[bool] = []
     async with tier:
-        take_claim = tier._take_claim
+        take_claim = tier.room.take_claim
 
         def and_then_ask_again(claim: Any) -> None:
-            tier._take_claim = take_claim  # type: ignore[method-assign]
+            tier.room.take_claim = take_claim  # type: ignore[method-assign]
             take_claim(claim)
             # Runs once the claim's task has ended, before its done-callbacks: where a store
             # that found the new slab's records all taken by others would ask for a claim.
-            asyncio.get_running_loop().call_soon(lambda: handed_out.append(tier._start_claim().done()))
+            asyncio.get_running_loop().call_soon(lambda: handed_out.append(tier.room.start_claim().done()))
 
-        tier._take_claim = and_then_ask_again  # type: ignore[method-assign]
+        tier.room.take_claim = and_then_ask_again  # type: ignore[method-assign]
         assert await h.store_keys(tier, primary, [h.key_for(0)]) == [True]
-        while tier._claiming is not None:  # the claim asked for, if any, settles before closing
-            await asyncio.shield(tier._claiming)
+        while tier.room.claiming is not None:  # the claim asked for, if any, settles before closing
+            await asyncio.shield(tier.room.claiming)
     assert handed_out == [False]
 
 
@@ -456,7 +456,7 @@ async def test_gc_frees_a_full_disk(tmp_path: Path) -> None:
                 assert await h.store_keys(tier, primary, keys[start : start + 4]) == [True] * 4
         await asyncio.to_thread(fill, mount)
         keep = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
-        (report,) = await asyncio.to_thread(kvtier_async.tiers.fs_admin.gc_root, mount, keep)
+        (report,) = await asyncio.to_thread(kvtier_async.tiers.fs.admin.gc_root, mount, keep)
         assert report.removed_bytes > 0 and report.blocks == 8
         assert report.logs_not_compacted == 0  # compacted once the removals made room
         assert not await asyncio.to_thread(files, mount, "*.tmp")
@@ -491,7 +491,7 @@ async def test_a_root_removed_under_a_running_tier_is_made_again(tmp_path: Path)
                 assert await h.store_keys(a, primary_a, [key]) == [True]
                 assert await a.delete([key]) == 1
             assert await h.load_and_check(b, primary_b, shared) == [True] * 4
-    reports = await asyncio.to_thread(kvtier_async.tiers.fs_admin.verify_root, root)
+    reports = await asyncio.to_thread(kvtier_async.tiers.fs.admin.verify_root, root)
     assert not [k for r in reports for k in r.corrupt] and sum(r.blocks for r in reports) >= 4
     c, primary_c = h.make_tier(str(root), capacity_bytes=capacity)
     async with c:
@@ -516,7 +516,7 @@ async def test_a_log_removed_as_it_is_compacted_leaves_the_writer_a_log(
             os.unlink(dst)  # the operator's rm, just then
             renamed.set()
 
-    monkeypatch.setattr(kvtier_async.tiers.fs_layout.os, "replace", replace_then_remove)
+    monkeypatch.setattr(kvtier_async.tiers.fs.layout.os, "replace", replace_then_remove)
     async with tier:
         for n in range(12):  # one record rewritten until its slab's log is compacted
             key = h.key_for(n)
@@ -581,7 +581,7 @@ async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Pa
     capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
     started, release = threading.Event(), threading.Event()
-    original = tier._read_runs
+    original = tier.records.read
 
     def gated_read(*args: Any) -> list[int]:
         started.set()
@@ -591,10 +591,10 @@ async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Pa
     async with tier:
         victim = h.key_for(0)
         await h.store_keys(tier, primary, [victim])
-        tier._read_runs = gated_read  # type: ignore[method-assign]
+        tier.records.read = gated_read  # type: ignore[method-assign]
         reading = asyncio.ensure_future(tier.load([victim], [20]))
         await asyncio.to_thread(started.wait, 60)
-        tier._read_runs = original  # type: ignore[method-assign]
+        tier.records.read = original  # type: ignore[method-assign]
         # Fill the tier several times over: every other block gets evicted meanwhile.
         for start in range(1, 40, 4):
             await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])
@@ -647,7 +647,7 @@ async def test_a_held_block_is_still_deleted_when_asked(tmp_path: Path) -> None:
 async def test_auto_falls_back_to_buffered_io_where_o_direct_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvtier_async.tiers.fs, "_probe_direct_io", lambda directory: False)
+    monkeypatch.setattr(kvtier_async.tiers.fs.slab_files, "probe_direct_io", lambda directory: False)
     tier, primary = h.make_tier(str(tmp_path / "auto"), direct_io="auto")
     keys = [h.key_for(i) for i in range(4)]
     async with tier:
@@ -681,7 +681,7 @@ async def test_cancelled_stores_leak_no_room(tmp_path: Path) -> None:
 
 def format_1_directory(root: Path) -> Path:
     """A namespace directory as kvtier_async wrote it before format 2 (header before each payload)."""
-    from kvtier_async.tiers.fs_layout import namespace_dir_name
+    from kvtier_async.tiers.fs.layout import namespace_dir_name
 
     directory = root / namespace_dir_name("fs-tests")
     directory.mkdir(parents=True)

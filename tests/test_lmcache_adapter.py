@@ -303,7 +303,7 @@ def test_two_servers_on_one_host_share_a_root(fs: dict[str, Any]) -> None:
 
 
 def test_a_locked_chunk_is_not_evicted_until_unlocked(tmp_path: Path) -> None:
-    from kvtier_async.tiers.fs_layout import ENTRY, record_bytes_for
+    from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
     capacity = 8 * (record_bytes_for(CHUNK) + 4 * ENTRY)  # 8 chunks, all processes together
     adapter = build({"type": "fs", "root": str(tmp_path / "kv"), "capacity_bytes": capacity})

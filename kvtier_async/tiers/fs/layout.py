@@ -49,8 +49,8 @@ from pathlib import Path
 
 import xxhash
 
-from ..block_format import namespace_id
-from ..errors import KVTierError, NamespaceInUseError
+from ...block_format import namespace_id
+from ...errors import KVTierError, NamespaceInUseError
 
 __all__ = [
     "ENTRY",

@@ -27,7 +27,7 @@ import struct
 import threading
 from collections.abc import Iterator
 
-from ..primary import reserve_host_memory
+from ...primary import reserve_host_memory
 
 __all__ = ["STAGE_BYTES", "Stager", "address_of", "pages_scattered", "scattered_fraction"]
 

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..block_format import payload_checksum
-from ..errors import KVTierError
-from .fs_layout import (
+from ...block_format import payload_checksum
+from ...errors import KVTierError
+from .layout import (
     ENTRY,
     SLAB_RE,
     Entry,

@@ -1,0 +1,390 @@
+"""`FileSystemTier` (`"fs"`): local NVMe, shared by the processes of a host, crash-safe,
+self-verifying, persistent across restarts.
+
+Blocks live as bare records in slab files (`layout` has the format and how processes
+share a directory). This module wires the tier contract to the package's rooms: the
+index of what is where (`index.SlabIndex`, event-loop thread, no I/O), the slab files as
+found on disk (`slab_files.SlabFiles`: opening, claiming, following the other processes'
+logs) and the records' reads and writes (`records.RecordIO`: one `pwritev`/`preadv` per run
+of neighbouring records, straight between the aligned primary slots and the files with
+O_DIRECT where the file system allows it), both on the scheduler's worker threads. The
+index holds the slabs this process writes, plus what it has read of the other slabs'
+logs, brought up to date when a lookup misses (at most every `refresh_interval_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ...errors import ConfigError
+from ...keys import check_keys
+from ...spec import OffloadingSpec
+from ...tier import SecondaryTierManager
+from ...workers import wait_uncancellable
+from .index import OtherSlab, OwnSlab, Record, SlabIndex
+from .layout import ENTRY, namespace_dir_name, record_bytes_for
+from .records import ReadJob, RecordIO, WriteJob
+from .room import Room
+from .slab_files import DEFAULT_CAPACITY_BYTES, SlabFiles
+from .staging import STAGE_BYTES, address_of, pages_scattered
+
+__all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_REFRESH_INTERVAL_S", "FileSystemTier"]
+
+log = logging.getLogger(__name__)
+
+#: Default `refresh_interval_s`: how stale this process's view of other processes' blocks may be.
+DEFAULT_REFRESH_INTERVAL_S = 0.05
+
+
+def _retrieve_exception(task: asyncio.Future[None]) -> None:
+    """Done-callback of a shared task: its exception is its awaiters' to handle, not an
+    "exception was never retrieved" at exit when none was left."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+class FileSystemTier(SecondaryTierManager):
+    """Blocks on a local file system under `root`, within `capacity_bytes`, least recently used
+    evicted first; any number of processes may share a root.
+
+    Args:
+        root: directory for the cache (created 0700 if missing). Processes that open the same
+            root and namespace share its blocks: each finds what any of them stored.
+        capacity_bytes: bytes on disk this namespace may take, logs included, all processes
+            together. Default `DEFAULT_CAPACITY_BYTES`, capped at 80% of the space available.
+        direct_io: "auto" probes O_DIRECT once and falls back to buffered I/O
+            where the file system refuses it; True requires it; False never uses it.
+        fsync: False (it is a cache); True makes `store` return only once the
+            data and the index entry are durable.
+        staging: with O_DIRECT, whether reads and writes go through a per-thread huge-page
+            buffer instead of straight between the primary memory and the disk. "auto"
+            stages when the primary memory's pages are found scattered in physical memory
+            (see `staging`), where direct I/O runs far below the disk's speed.
+        refresh_interval_s: a lookup that misses reads the other processes' new index
+            entries if the last such read is older than this; `refresh()` reads them now.
+    """
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str = "fs",
+        *,
+        root: str | os.PathLike[str],
+        capacity_bytes: int | None = None,
+        direct_io: bool | str = "auto",
+        fsync: bool = False,
+        staging: bool | str = "auto",
+        refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        if not isinstance(root, (str, os.PathLike)) or not str(root):
+            raise ConfigError(f"fs tier: root must be a directory path, got {root!r}")
+        self.record_bytes = record_bytes_for(offloading_spec.block_nbytes)
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes < self.record_bytes + ENTRY
+        ):
+            raise ConfigError(
+                "fs tier: capacity_bytes must be an int of at least one record "
+                f"({self.record_bytes + ENTRY} bytes), got {capacity_bytes!r}"
+            )
+        if direct_io not in ("auto", True, False):
+            raise ConfigError(f'fs tier: direct_io must be "auto", True or False, got {direct_io!r}')
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"fs tier: fsync must be a bool, got {fsync!r}")
+        if staging not in ("auto", True, False):
+            raise ConfigError(f'fs tier: staging must be "auto", True or False, got {staging!r}')
+        if (
+            isinstance(refresh_interval_s, bool)
+            or not isinstance(refresh_interval_s, (int, float))
+            or not 0 <= refresh_interval_s < float("inf")
+        ):
+            raise ConfigError(
+                f"fs tier: refresh_interval_s must be a number of seconds >= 0, got {refresh_interval_s!r}"
+            )
+        self.root = Path(root)
+        self.directory = self.root / namespace_dir_name(offloading_spec.namespace)
+        self.requested_capacity = capacity_bytes
+        self.direct_io_requested = direct_io
+        self.fsync = fsync
+        self.staging_requested = staging
+        self.refresh_interval_s = float(refresh_interval_s)
+        self._primary_base = address_of(self.primary_kv_view)
+        self.files = SlabFiles(
+            self.root, offloading_spec.namespace, self.directory, self.block_nbytes, self.record_bytes
+        )
+        self.files.fsync = fsync
+        self.index = SlabIndex(self.record_bytes)  # touched on the event-loop thread only
+        self.records = RecordIO(self.files, self.primary_kv_view, self.index.own, self.fault_log)
+        self.room = Room(
+            self.index, self.files, self.run_blocking, self.counters, self.fault_log, self.notify_removed
+        )
+        self._refreshing: asyncio.Future[None] | None = None
+        self._last_refresh = float("-inf")
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes on disk this namespace may take, all processes together (0 until opened)."""
+        return self.files.capacity_bytes
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether records move with O_DIRECT (settled on open)."""
+        return self.files.direct_io
+
+    @property
+    def staging(self) -> bool:
+        """Whether O_DIRECT goes through the staging buffers (settled on open)."""
+        return self.records.staging
+
+    # -- opening and closing -------------------------------------------------------------------
+    async def open_backend(self) -> None:
+        self.files.name = self.name
+        await self.run_blocking(self._open_files)
+        await self._refresh_now()
+
+    def _open_files(self) -> None:
+        """Worker thread: open the namespace's files, make the staging buffers if staging, and
+        size how far ahead of the stores in flight a slab is claimed."""
+        self.files.open(self.direct_io_requested, self.requested_capacity)
+        if self._primary_base % 4096:
+            self.files.direct_io = False  # O_DIRECT needs aligned memory; a foreign view may not be
+        if self.staging_requested == "auto":
+            staging = self.direct_io and pages_scattered(self.primary_kv_view) is True
+        else:
+            staging = self.direct_io and bool(self.staging_requested)
+        if staging:
+            self.records.stager.reserve(self.scheduler.limits.io_threads)
+        self.records.staging = staging
+        # What the stores in flight may take at once: fewer free records left than this, and
+        # the next slab is claimed in the background (never more than half a slab ahead).
+        # Store lanes are the scheduler's (a cache's, when shared); batches are cut by our spec.
+        in_flight = self.scheduler.limits.max_inflight_stores * self.offloading_spec.limits.batch_blocks
+        self.room.claim_ahead_records = min(self.files.slab_records // 2, in_flight)
+
+    async def close_backend(self) -> None:
+        # A claim or refresh whose callers were cancelled still runs: let it settle first, so
+        # that what it opened is closed here.
+        pending = [task for task in (self.room.claiming, self._refreshing) if task is not None]
+        if pending:
+            await asyncio.wait(pending)
+        own, others = list(self.index.own.values()), list(self.index.others.values())
+        self.index.own.clear()
+        self.index.others.clear()
+        await self.run_blocking(SlabFiles.close, own, others)
+        await self.run_blocking(self.records.stager.release)
+
+    # -- following the other processes ---------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read the index entries other processes have written since the last refresh.
+
+        A lookup that misses does this itself when the last refresh is older than
+        `refresh_interval_s`; call it to see another process's new blocks now.
+        """
+        with self._operation():
+            if await self._ensure_open():
+                await self._refresh_now()
+
+    async def _refresh_now(self) -> None:
+        if self._refreshing is None:
+            # Its own task: a caller cancelled meanwhile never leaves news (and open files) unapplied.
+            self._refreshing = asyncio.ensure_future(self._refresh_task())
+            self._refreshing.add_done_callback(_retrieve_exception)
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh_task(self) -> None:
+        index = self.index
+        try:
+            known = {slab: (o.log_inode, o.log_offset) for slab, o in index.others.items()}
+            news, gone, removed = await self.run_blocking(self.files.read_news, known, dict(index.own))
+            newly_removed = [slab for slab in removed if not index.own[slab].removed]
+            if newly_removed:
+                for slab in newly_removed:
+                    index.own[slab].removed = True
+                log.warning(
+                    "fs tier %r: the files of slabs %s, which this process writes, were removed "
+                    "under it; it keeps using them until it exits (their space is freed then, and "
+                    "other processes' new slabs of those numbers stay unseen here until then). "
+                    "Clear a root in use with `kvtier fs gc`, not by removing files",
+                    self.name,
+                    newly_removed,
+                )
+            for slab in gone:
+                _close(index.forget_other(slab))
+            for item in news:
+                _close(index.apply_news(item))
+            self._last_refresh = time.monotonic()
+            await self.room.refreshed()
+        finally:
+            # Cleared by the task itself, not by a done-callback that runs later: meanwhile a
+            # caller would get the finished task back and not read the news it asked for.
+            self._refreshing = None
+
+    async def _refresh_if_missing(self, keys: Sequence[bytes]) -> None:
+        """Refresh when a key is unknown and the last refresh is older than the interval."""
+        if time.monotonic() - self._last_refresh < self.refresh_interval_s:
+            return
+        if any(key not in self.index.where for key in keys):
+            await self._refresh_now()
+
+    def _slot_offset(self, block: memoryview) -> int:
+        return address_of(block) - self._primary_base
+
+    # -- hooks ---------------------------------------------------------------------------------
+    async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        # docstring inherited
+        index = self.index
+        results = [False] * len(keys)
+        jobs: list[tuple[int, bytes, Record, bool]] = []
+        try:
+            for i, key in enumerate(keys):
+                where = index.where.get(key)
+                if where is not None:
+                    results[i] = True
+                    index.touch(where)
+                    continue
+                taken = await self.room.take_record()
+                if taken is None:
+                    self.counters["stores_without_room"] += 1
+                    continue
+                jobs.append((i, key, *taken))
+            if not jobs:
+                return results
+            work: list[WriteJob] = [
+                (key, where, self._slot_offset(blocks[i]), deletion) for i, key, where, deletion in jobs
+            ]
+            # The checksums are taken on the CPU threads while the I/O thread writes, so the
+            # disk never waits for them; the I/O thread then logs the entries that carry them,
+            # in the same job: one hand-off per batch, and the thread is free for the next one
+            # without a round trip through the loop.
+            summing = await self.scheduler.submit_cpu(self.records.checksums, [w[2] for w in work])
+            try:
+                status, full, checksums = await self.run_blocking(self.records.write, work, summing)
+            finally:
+                # Whatever happened, the primary slots are read to the end before we return.
+                with contextlib.suppress(Exception):
+                    await wait_uncancellable(asyncio.wrap_future(summing))
+        except BaseException:
+            # Cancelled (the thread, if any, has finished): these records are not published, and
+            # what their log says now is unknown, so a deletion goes first when they are reused.
+            index.abandon([where for _, _, where, _ in jobs])
+            raise
+        published = index.settle_writes([(k, w, d) for _, k, w, d in jobs], status, checksums, full)
+        for (i, _, _, _), ok in zip(jobs, published):
+            results[i] = ok
+        self.counters["write_errors"] += published.count(False)
+        if full:
+            self.room.out_of_space()
+        return results
+
+    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        # docstring inherited
+        await self._refresh_if_missing(keys)
+        index = self.index
+        jobs: list[tuple[int, bytes, Record, OwnSlab | OtherSlab]] = []
+        for i, key in enumerate(keys):
+            pinned = index.pin(key)  # never evicted or reused while read
+            if pinned is not None:
+                jobs.append((i, key, *pinned))
+        results = [False] * len(keys)
+        if not jobs:
+            return results
+        work: list[ReadJob] = [
+            (slab.data_fd, where, index.entry[where][1], self._slot_offset(blocks[i]))
+            for i, _, where, slab in jobs
+        ]
+        try:
+            got = await self.run_blocking(self.records.read, work)
+            outcome = await self.scheduler.run_cpu(self.records.verify, work, got)
+        finally:
+            for _, _, where, slab in jobs:
+                _close(index.unpin(where, slab))
+        corrupt = []
+        for (i, key, where, _), status in zip(jobs, outcome):
+            if status == "ok":
+                results[i] = True
+                continue
+            if status == "error" or index.entry.get(where, (None,))[0] != key:
+                continue  # a fault, or forgotten meanwhile
+            index.forget(where)
+            if status == "corrupt":
+                self.counters["corrupt_blocks"] += 1
+                corrupt.append((key, where))
+            else:  # its writer rewrote it after we read the log: our entry was stale
+                self.counters["stale_blocks"] += 1
+            self.notify_removed([key])
+        if corrupt:
+            await self.run_blocking(self.records.log_deletions, corrupt)
+        return results
+
+    def hold(self, keys: Sequence[bytes]) -> list[bool]:
+        # docstring inherited. A hold pins the record as a read in flight does (never evicted or
+        # reused until the last unpin); another process's record is its writer's to evict: False.
+        check_keys(keys)
+        if self._closed:
+            return [False] * len(keys)
+        return [self.index.hold(key) for key in keys]
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        # docstring inherited
+        for key in keys:
+            self.index.release(key)
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        # docstring inherited
+        if not await self._ensure_open():
+            return [False] * len(keys)
+        await self._refresh_if_missing(keys)
+        return [key in self.index.where for key in keys]
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        # docstring inherited
+        if not await self._ensure_open():
+            return 0
+        dropped = []
+        for key in keys:
+            where = self.index.where.get(key)
+            if where is None:
+                continue
+            dropped.append((key, where))
+            self.index.forget(where)
+        if dropped:
+            self.notify_removed([key for key, _ in dropped])
+            await self.run_blocking(self.records.log_deletions, dropped)
+        return len(dropped)
+
+    def backend_stats(self) -> dict[str, Any]:
+        return {
+            "root": str(self.root),
+            "blocks": len(self.index.where),
+            "own_blocks": self.index.own_blocks(),
+            "used_bytes": self.index.used_bytes(ENTRY),
+            "capacity_bytes": self.capacity_bytes,
+            "direct_io": self.direct_io,
+            "staging": self.staging,
+            "stage_buffer_bytes": self.records.stager.buffers * STAGE_BYTES,
+            "fsync": self.fsync,
+            "slabs": len(self.index.own),
+            "shared_slabs": len(self.index.others),
+            "evictions": self.counters["evictions"],
+            "corrupt_blocks": self.counters["corrupt_blocks"],
+            "stale_blocks": self.counters["stale_blocks"],
+            "write_errors": self.counters["write_errors"],
+            "stores_without_room": self.counters["stores_without_room"],
+            "out_of_space": self.counters["out_of_space"],
+            "disk_full": self.room.disk_full,
+        }
