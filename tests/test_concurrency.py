@@ -247,7 +247,7 @@ async def test_loads_find_slots_while_a_tier_stalls_every_write() -> None:
         fill(device, new, list(range(32)))
         store = asyncio.ensure_future(cache.store(new, list(range(32))))
         # The store holds all the slots stores may hold, waiting for its own stalled writes.
-        await guarded(until(lambda: cache._store_slots == cache.limits.store_slots))
+        await guarded(until(lambda: cache._stores.store_slots == cache.limits.store_slots))
         assert cache.limits.store_slots < cache.primary.num_slots
         assert await guarded(cache.load(old, [40, 41, 42, 43])) == 4  # loads still get through
         assert exact(device, old, [40, 41, 42, 43]) and not store.done()
