@@ -37,6 +37,7 @@ from .factory import SecondaryTierFactory
 from .in_flight import CallsInFlight
 from .keys import check_block_ids, check_keys, check_lengths
 from .load_pipeline import LoadPipeline
+from .open_once import OpenOnce
 from .primary import PrimaryTier
 from .releases import Releases
 from .scheduler import Priority, Scheduler, wait_uncancellable
@@ -111,7 +112,7 @@ class TieredKVCache(AsyncResource):
             spec, self.primary, self.copy_engine, self.tiers, releases, self.counters
         )
         self._loads = LoadPipeline(spec, self.primary, self.copy_engine, self.tiers, releases, self.counters)
-        self._opening: asyncio.Future[None] | None = None
+        self._opening = OpenOnce()
         self._calls = CallsInFlight()  # store, load and prefetch; `aclose` waits for them
         self._closed = False
 
@@ -126,17 +127,10 @@ class TieredKVCache(AsyncResource):
     async def _open(self) -> None:
         """Make the primary tier resident (and pinned) on a worker thread, once; the first
         store or load does this too. A failure is raised to every waiter and tried again."""
-        if self.primary.resident:
-            return
-        if self._opening is None:
-            self._opening = asyncio.ensure_future(self.scheduler.run_blocking(self.primary.make_resident))
-        opening = self._opening
-        try:
-            await asyncio.shield(opening)  # a cancelled waiter leaves the opening to the others
-        finally:
-            failed = opening.done() and (opening.cancelled() or opening.exception() is not None)
-            if failed and self._opening is opening:
-                self._opening = None  # it failed: the next call tries again
+        await self._opening(self._make_resident)
+
+    async def _make_resident(self) -> None:
+        await self.scheduler.run_blocking(self.primary.make_resident)
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -272,8 +266,7 @@ class TieredKVCache(AsyncResource):
                 await tier.aclose()
         finally:
             try:
-                if self._opening is not None:
-                    await asyncio.wait({self._opening})
+                await self._opening.settle()
                 # Nothing touches the buffer any more: its pages go back on a worker thread.
                 await self.scheduler.run_blocking(self.primary.release_memory)
             finally:

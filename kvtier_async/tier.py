@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import inspect
 import logging
-import time
-import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 import anyio
@@ -34,14 +32,16 @@ from anyio.abc import AsyncResource
 with suppress(ImportError):
     import anyio._backends._asyncio
 
+from .busy_time import BusyTime
 from .errors import ClosedError, InvalidArgumentError
 from .fault_breaker import FaultBreaker
+from .fault_guard import FaultGuard
 from .fault_log import FaultLog
 from .in_flight import CallsInFlight
 from .keys import check_block_ids, check_keys, check_lengths
-from .latency import LatencyHistogram
-from .scheduler import Lane, Priority, Scheduler, current_priority, wait_uncancellable
-from .server_gate import QueueTimeout
+from .open_once import OpenOnce
+from .scheduler import Lane, Priority, Scheduler, wait_uncancellable
+from .single_flight import SingleFlight
 from .spec import OffloadingSpec
 
 __all__ = ["SecondaryTierManager"]
@@ -54,19 +54,6 @@ T = TypeVar("T")
 #: on a busy machine (the workers run at a lower priority). The Redis tier's hooks, 64 KiB blocks
 #: in batches of 8 against a local server: 40-50% more throughput inline.
 INLINE_CPU_BYTES = 1 << 20
-
-
-def _clear_frames(error: BaseException) -> None:
-    """Clear the locals of every finished frame in `error`'s tracebacks, its causes' too."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        exc = pending.pop()
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        pending += [exc.__cause__, exc.__context__]
 
 
 class SecondaryTierManager(AsyncResource):
@@ -105,29 +92,23 @@ class SecondaryTierManager(AsyncResource):
         self.offloading_spec = offloading_spec
         self.primary_kv_view = view
         self.tier_type = tier_type
-        #: Name in stats and lane names; a cache makes it unique among its tiers.
-        self.name = tier_type
         self.block_nbytes = offloading_spec.block_nbytes
         self.block_stride = offloading_spec.block_stride
         self.num_blocks = offloading_spec.num_cpu_blocks
         self.counters: Counter[str] = Counter()
         #: Faults that repeat (a server down fails every call) are logged once a minute per kind.
         self.fault_log = FaultLog(log)
-        #: After faults in a row, calls fail at once for a while: a dead server costs no timeouts.
-        self.fault_breaker = FaultBreaker()
+        # After faults in a row, calls fail at once for a while: a dead server costs no timeouts.
+        self._guard = FaultGuard(tier_type, self.counters, FaultBreaker(), self.fault_log)
         self._scheduler: Scheduler | None = None
         self._owns_scheduler = False
-        self._opened = False
-        self._opening: asyncio.Future[None] | None = None
+        self._open_once = OpenOnce()
         self._closed = False
         self._calls = CallsInFlight()  # `aclose` waits for them
-        # Per direction: calls in flight, and when the current busy period began.
-        self._busy: dict[str, list[float]] = {"store": [0, 0.0], "load": [0, 0.0]}
-        #: Keys being written by a store in flight, with the outcome its sharers wait for.
-        self._writing: dict[bytes, asyncio.Future[bool]] = {}
-        self.busy_seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
-        #: Latency of each `store` / `load` call, whether or not metrics are exported.
-        self.latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
+        self._busy = BusyTime()
+        #: Seconds this tier had a store / load in flight, and each call's latency.
+        self.busy_seconds, self.latency = self._busy.seconds, self._busy.latency
+        self._single_flight = SingleFlight()  # keys being written by a store in flight
         #: Called on the event-loop thread with the keys this tier stopped holding (evicted,
         #: replaced or deleted), where the backend knows it; a shared tier's server may also
         #: drop keys without telling anyone.
@@ -241,27 +222,19 @@ class SecondaryTierManager(AsyncResource):
             accepted = lane.reserve_pending(len(keys))
             self.counters["store_calls"] += 1
             self.counters["stores_dropped"] += len(keys) - accepted
-            # Single flight: a key this tier is writing right now is not written again;
-            # this call shares the outcome of the write in flight.
-            shared = {i: self._writing[keys[i]] for i in range(accepted) if keys[i] in self._writing}
+            # A key this tier is writing right now is not written again: this call shares the
+            # outcome of the write in flight.
+            shared = self._single_flight.shared(keys[:accepted])
             lane.release_pending(len(shared))
             own = [i for i in range(accepted) if i not in shared]
-            loop = asyncio.get_running_loop()
-            outcomes = {keys[i]: loop.create_future() for i in own}
-            self._writing.update(outcomes)
-            try:
-                written = await self._write_new(lane, [keys[i] for i in own], [ids[i] for i in own])
-                for i, ok in zip(own, written):
-                    results[i] = ok
-            finally:
-                for i in own:
-                    outcome = outcomes[keys[i]]
-                    outcome.set_result(results[i])
-                    del self._writing[keys[i]]
+            written = [False] * len(own)
+            with self._single_flight.writing([keys[i] for i in own], written):
+                written[:] = await self._write_new(lane, [keys[i] for i in own], [ids[i] for i in own])
+            for i, ok in zip(own, written):
+                results[i] = ok
             if shared:
-                await asyncio.wait(set(shared.values()))
-                for i, outcome in shared.items():
-                    results[i] = outcome.result()
+                for i, ok in (await SingleFlight.outcomes(shared)).items():
+                    results[i] = ok
                 self.counters["stores_deduplicated"] += len(shared)
         return results
 
@@ -276,7 +249,7 @@ class SecondaryTierManager(AsyncResource):
                 self.counters["store_failed_blocks"] += len(keys)
                 return results
             if self.check_held_before_write:
-                held = await self._guarded("contains", self.contains(keys), len(keys), Priority.STORE)
+                held = await self._guard.call("contains", self.contains(keys), len(keys), Priority.STORE)
             else:
                 held = [False] * len(keys)
             todo = [i for i, h in enumerate(held) if not h]
@@ -355,7 +328,7 @@ class SecondaryTierManager(AsyncResource):
             batch = self.offloading_spec.limits.batch_blocks
             for start in range(0, len(keys), batch):
                 part = keys[start : start + batch]
-                found = await self._guarded("contains", self.contains(part), len(part), Priority.LOAD)
+                found = await self._guard.call("contains", self.contains(part), len(part), Priority.LOAD)
                 present[start : start + len(part)] = found
                 if stop_at_miss and not all(found):
                     break
@@ -368,7 +341,7 @@ class SecondaryTierManager(AsyncResource):
         to open as misses. Call it where a tier that cannot open should stop a start-up.
         """
         with self._operation():
-            await self._open_once()
+            await self._open_once(self._start_and_open)
 
     async def aclose(self) -> None:
         """Wait for operations in flight, then close the backend and let go of the primary view.
@@ -384,9 +357,8 @@ class SecondaryTierManager(AsyncResource):
 
     async def _close_backend_once(self) -> None:
         try:
-            if self._opening is not None and not self._opening.done():
-                await asyncio.wait([self._opening])  # an opening in progress settles first
-            if self._opened:
+            await self._open_once.settle()  # an opening in progress settles first
+            if self._open_once.opened:
                 await self.close_backend()
         finally:
             if self._owns_scheduler and self._scheduler is not None:
@@ -395,6 +367,20 @@ class SecondaryTierManager(AsyncResource):
                 self.primary_kv_view.release()  # so that the buffer's owner may unmap it
             except BufferError:
                 log.error("tier %r: closed, but something still exports its primary view", self.name)
+
+    @property
+    def name(self) -> str:
+        """Name in stats and lane names; a cache makes it unique among its tiers."""
+        return self._guard.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._guard.name = value
+
+    @property
+    def fault_breaker(self) -> FaultBreaker:
+        """After faults in a row, calls fail at once for a while: a dead server costs no timeouts."""
+        return self._guard.breaker
 
     @property
     def closed(self) -> bool:
@@ -446,40 +432,10 @@ class SecondaryTierManager(AsyncResource):
             raise ClosedError(f"tier {self.name!r} is closed")
 
     async def _ensure_open(self) -> bool:
-        """Open the backend once; False (counted, logged) if opening failed this time.
-
-        A failed open is a backend fault like any other: the operation reports
-        misses or failed stores, and the next operation tries to open again (once the
-        fault breaker lets it).
-        """
-        if self._opened:
-            return True
-        entered = self.fault_breaker.enter()
-        if entered is None:
-            self.counters["calls_skipped_while_down"] += 1
-            return False
-        try:
-            await self._open_once()
-        except Exception:
-            self.counters["errors"] += 1
-            self.fault_breaker.failed(entered)
-            self.fault_log.warning("open", "tier %r: opening failed", self.name, exc_info=True)
-            return False
-        except BaseException:  # cancelled: no answer
-            self.fault_breaker.left(entered)
-            raise
-        self.fault_breaker.succeeded()
-        return True
-
-    async def _open_once(self) -> None:
-        """Run `open_backend` once, shared by concurrent callers; a failed opening is retried later."""
-        if self._opened:
-            return
-        if self._opening is None:
-            self._opening = asyncio.ensure_future(self._start_and_open())
-            self._opening.add_done_callback(self._opening_done)
-        await asyncio.shield(self._opening)
-        self._opened = True
+        """Open the backend once; False (counted, logged) if opening failed this time."""
+        return self._open_once.opened or await self._guard.open(
+            partial(self._open_once, self._start_and_open)
+        )
 
     async def _start_and_open(self) -> None:
         # The worker threads start with the backend, not inside the first load of a restarted
@@ -487,83 +443,12 @@ class SecondaryTierManager(AsyncResource):
         await self.scheduler.start()
         await self.open_backend()
 
-    def _opening_done(self, opening: asyncio.Future[None]) -> None:
-        # Runs however the opening ended, even if every caller waiting for it was cancelled:
-        # a backend that opened is marked open (so that `aclose` closes it), and a failed or
-        # cancelled opening is forgotten, so that the next operation tries again.
-        if not opening.cancelled() and opening.exception() is None:
-            self._opened = True
-        elif self._opening is opening:
-            self._opening = None
-
     @contextmanager
     def _operation(self, direction: str | None = None) -> Iterator[None]:
         """Counts operations in flight (so that `aclose` can wait for them), busy time and latency."""
         self._check_not_closed()
-        with self._calls.track():
-            busy = self._busy[direction] if direction else None
-            started = time.perf_counter()
-            if busy is not None:
-                if busy[0] == 0:
-                    busy[1] = started
-                busy[0] += 1
-            try:
-                yield
-            finally:
-                if busy is not None and direction is not None:
-                    now = time.perf_counter()
-                    self.latency[direction].observe(now - started)
-                    busy[0] -= 1
-                    if busy[0] == 0:
-                        self.busy_seconds[direction] += now - busy[1]
-
-    async def _guarded(
-        self, what: str, call: Awaitable[list[bool]], n: int, priority: Priority
-    ) -> list[bool]:
-        """Await a backend hook at `priority`; a fault or a malformed answer becomes all-False,
-        counted. While the fault breaker is open the hook is not called at all (all-False, counted).
-        A hook whose request waited for our own limit until its deadline (`QueueTimeout`) is
-        all-False too, but no server fault: the breaker does not count it."""
-        entered = self.fault_breaker.enter()
-        if entered is None:
-            if inspect.iscoroutine(call):
-                call.close()  # never started
-            self.counters["calls_skipped_while_down"] += 1
-            return [False] * n
-        token = current_priority.set(priority)
-        try:
-            result = await call
-        except QueueTimeout:
-            self.counters["queue_timeouts"] += 1
-            self.fault_breaker.left(entered)
-            self.fault_log.warning(
-                (what, "queue"), "tier %r: %s waited too long for a place", self.name, what
-            )
-            return [False] * n
-        except Exception as exc:
-            self.counters["errors"] += 1
-            self.fault_breaker.failed(entered)
-            self.fault_log.warning((what, type(exc)), "tier %r: %s failed", self.name, what, exc_info=True)
-            # The error may outlive this call (redis-py's dead connection keeps the one it died of)
-            # and its traceback holds the hook's frames, whose locals are views of the primary
-            # memory: vLLM could then not unmap its /dev/shm region at shutdown. Drop them, and
-            # those of the errors it was raised from or while handling.
-            _clear_frames(exc)
-            return [False] * n
-        except BaseException:  # cancelled: no answer
-            self.fault_breaker.left(entered)
-            raise
-        finally:
-            current_priority.reset(token)
-        if not isinstance(result, list) or len(result) != n:
-            self.counters["errors"] += 1
-            self.fault_breaker.failed(entered)
-            self.fault_log.error(
-                (what, "answer"), "tier %r: %s returned %r for %d keys", self.name, what, result, n
-            )
-            return [False] * n
-        self.fault_breaker.succeeded()
-        return [r is True for r in result]
+        with self._calls.track(), self._busy.call(direction) if direction else nullcontext():
+            yield
 
     async def _run_batches(
         self,
@@ -591,7 +476,7 @@ class SecondaryTierManager(AsyncResource):
                     async with self.scheduler.bytes_in_flight.place(priority, n * self.block_nbytes):
                         views = [self.block_view(i) for i in ids[start : start + batch]]
                         what = hook.__name__
-                        results[start : start + n] = await self._guarded(
+                        results[start : start + n] = await self._guard.call(
                             what, hook(part_keys, views), n, priority
                         )
             finally:

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import probe_tier  # imported up front: a first import reads files, which blocks the loop
 import pytest
@@ -159,16 +160,20 @@ async def test_closing_waits_for_a_load_in_flight_before_giving_the_memory_back(
 
 
 @pytest.mark.asyncio
-async def test_a_dropped_cache_is_freed_without_the_cycle_collector() -> None:
-    """The primary tier's callback into the cache is weak: no reference cycle keeps the cache
-    (and, were it not closed, its memory) alive until a collection on the event loop."""
+@pytest.mark.parametrize("tier_type", ["memory", "fs"])
+async def test_a_dropped_cache_is_freed_without_the_cycle_collector(tier_type: str, tmp_path: Path) -> None:
+    """The primary tier's callback into the cache is weak, and neither the cache nor its tiers
+    keep bound methods of themselves: no reference cycle keeps the cache or a tier (and, were
+    they not closed, their memory) alive until a collection on the event loop."""
+    tier: dict[str, object] = {"type": tier_type} | ({"root": str(tmp_path)} if tier_type == "fs" else {})
     gc.disable()
     try:
-        cache = kt.TieredKVCache(make_spec(), make_layers())
+        cache = kt.TieredKVCache(make_spec([tier]), make_layers())
         async with cache:
             assert await cache.store(keys_for(2), [0, 1]) == 2
-        collected = weakref.ref(cache)
+            await cache.flush()
+        collected = [weakref.ref(cache), *(weakref.ref(t) for t in cache.tiers)]
         del cache
-        assert collected() is None
+        assert [ref() for ref in collected] == [None] * len(collected)
     finally:
         gc.enable()

@@ -14,7 +14,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ...fault_log import FaultLog
 from .index import Claim, Record, SlabIndex
@@ -23,27 +23,22 @@ from .slab_files import SlabFiles
 __all__ = ["Room"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Room:
-    """Free records for `index`'s slabs, claimed through `files` on worker threads
-    (`run_blocking`); `evicted` hears of each block evicted to make room."""
+    """Free records for `index`'s slabs, claimed through `files` on worker threads."""
 
     def __init__(
-        self,
-        index: SlabIndex,
-        files: SlabFiles,
-        run_blocking: Callable[..., Awaitable[Any]],
-        counters: Counter[str],
-        fault_log: FaultLog,
-        evicted: Callable[[list[bytes]], None],
+        self, index: SlabIndex, files: SlabFiles, counters: Counter[str], fault_log: FaultLog
     ) -> None:
         self.index = index
         self.files = files
-        self._run_blocking = run_blocking
         self.counters = counters
         self.fault_log = fault_log
-        self._evicted = evicted
+        #: The worker threads' `run_blocking`, set when the tier opens (a scheduler's: a bound
+        #: method of the tier here would be a reference cycle).
+        self.run_blocking: Callable[..., Awaitable[Any]] | None = None
         #: Fewer free records left than this, and the next slab is claimed in the background.
         self.claim_ahead_records = 0
         self.can_claim = True  # False until a refresh once no slab could be claimed
@@ -51,9 +46,10 @@ class Room:
         self.disk_full = False
         self.claiming: asyncio.Future[None] | None = None
 
-    async def take_record(self) -> tuple[Record, bool] | None:
-        """A record to write into, and whether its last log entry names a block (then a deletion
-        goes first); None when the namespace is full and nothing of ours may be evicted."""
+    async def take_record(self) -> tuple[Record, bool, bytes | None] | None:
+        """A record to write into, whether its last log entry names a block (then a deletion
+        goes first) and the key of the block evicted for it, if one was; None when the
+        namespace is full and nothing of ours may be evicted."""
         index = self.index
         while not index.free and self._may_claim():
             # Always a claim still running (see _claim_task), so this waits, and the loop runs.
@@ -65,14 +61,18 @@ class Room:
                 # The next slab, ready before the stores in flight need it: claimed only once the
                 # free records ran out, it took 16-93 ms under four writes, and every store waited.
                 self.start_claim()
-            return taken
+            return (*taken, None)
         evicted = index.evict_oldest()
         if evicted is None:
             return None
         key, where, deletion = evicted
         self.counters["evictions"] += 1
-        self._evicted([key])
-        return where, deletion
+        return where, deletion, key
+
+    def _blocking(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        if self.run_blocking is None:
+            raise RuntimeError("fs tier: claiming before the tier opened")
+        return self.run_blocking(fn, *args)
 
     def _may_claim(self) -> bool:
         return self.can_claim and (self.may_create or bool(self.index.adoptable()))
@@ -87,7 +87,7 @@ class Room:
         """Claim a slab; never raises but for cancellation (a failure is logged and counted)."""
         try:
             own, adoptable = set(self.index.own), self.index.adoptable()
-            claim = await self._run_blocking(self.files.claim, own, self.may_create, adoptable)
+            claim = await self._blocking(self.files.claim, own, self.may_create, adoptable)
             if claim is None:
                 self.may_create = False  # every number below the capacity is taken
                 self.can_claim = False  # until the next refresh: a writer may exit meanwhile
@@ -99,7 +99,7 @@ class Room:
             if claim.state.records:
                 self.take_claim(claim)
             else:  # not a record's room left on the disk
-                await self._run_blocking(SlabFiles.close, [claim.state], [])
+                await self._blocking(SlabFiles.close, [claim.state], [])
         except BaseException as exc:
             self.can_claim = False  # until the next refresh: no retry storm on a failing disk
             if isinstance(exc, asyncio.CancelledError):
@@ -129,7 +129,7 @@ class Room:
     async def refreshed(self) -> None:
         """After a refresh: claim again (a writer may have exited, leaving its slabs), and once
         the disk has room for a whole slab again, from the disk too."""
-        if self.disk_full and await self._run_blocking(self.files.room_for_a_slab):
+        if self.disk_full and await self._blocking(self.files.room_for_a_slab):
             # A long-running server must not stay shrunk once the space comes back (an
             # operator's `kvtier fs gc`, another program's files removed).
             log.info("fs tier %r: the disk has room again; claiming slabs", self.files.name)

@@ -130,9 +130,7 @@ class FileSystemTier(SecondaryTierManager):
         self.files.fsync = fsync
         self.index = SlabIndex(self.record_bytes)  # touched on the event-loop thread only
         self.records = RecordIO(self.files, self.primary_kv_view, self.index.own, self.fault_log)
-        self.room = Room(
-            self.index, self.files, self.run_blocking, self.counters, self.fault_log, self.notify_removed
-        )
+        self.room = Room(self.index, self.files, self.counters, self.fault_log)
         self._refreshing: asyncio.Future[None] | None = None
         self._last_refresh = float("-inf")
 
@@ -154,6 +152,7 @@ class FileSystemTier(SecondaryTierManager):
     # -- opening and closing -------------------------------------------------------------------
     async def open_backend(self) -> None:
         self.files.name = self.name
+        self.room.run_blocking = self.scheduler.run_blocking
         await self.run_blocking(self._open_files)
         await self._refresh_now()
 
@@ -261,7 +260,10 @@ class FileSystemTier(SecondaryTierManager):
                 if taken is None:
                     self.counters["stores_without_room"] += 1
                     continue
-                jobs.append((i, key, *taken))
+                where, deletion, evicted = taken
+                if evicted is not None:
+                    self.notify_removed([evicted])
+                jobs.append((i, key, where, deletion))
             if not jobs:
                 return results
             work: list[WriteJob] = [
