@@ -10,8 +10,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from kvtier_async.benchmark import LoopLag, freeze_startup_heap, median_tree, percentile
-from kvtier_async.benchmark import drop_page_cache as drop_cache
+from kvtier_async.measure import LoopLag, freeze_startup_heap, median_tree, percentile
+from kvtier_async.measure import drop_page_cache as drop_cache
 
 __all__ = [
     "GB",

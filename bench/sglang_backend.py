@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import torch
 from sglang_env import HiCacheFile, backend_config, mha_pool, slots
 
-from kvtier_async.benchmark import drop_page_cache
 from kvtier_async.integrations.sglang import KVTierHiCacheStorage
+from kvtier_async.measure import drop_page_cache
 from kvtier_async.spec import OffloadingSpec
 
 GB = 1e9

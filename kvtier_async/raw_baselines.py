@@ -1,0 +1,178 @@
+"""The raw baselines of `kvtier bench`: the same bytes in the same requests at the same
+concurrency as a tier, with the plainest code for its backend (see `benchmark`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .measure import LoopLag, drop_page_cache, rates, timed_requests
+from .primary import reserve_host_memory
+from .spec import OffloadingSpec
+
+__all__ = ["baseline"]
+
+
+async def baseline(
+    config: dict[str, Any], block_nbytes: int, blocks: int, request_blocks: int, work: Path
+) -> Any:
+    spec = OffloadingSpec(block_nbytes=block_nbytes, num_cpu_blocks=blocks)
+    limits = spec.limits
+    groups = [list(range(i, min(i + request_blocks, blocks))) for i in range(0, blocks, request_blocks)]
+    payload = os.urandom(block_nbytes)
+    kind = config["type"]
+    if kind not in ("fs", "memory", "redis", "s3"):
+        return None
+    with LoopLag() as lag:  # the same ticker as the tier's: what the raw client costs the loop
+        if kind == "fs":
+            what, store_s, store_lat, load_s, load_lat = await _raw_files(work, spec, groups)
+        elif kind == "memory":
+            what, store_s, store_lat, load_s, load_lat = await _raw_memory(spec, groups)
+        elif kind == "redis":
+            what, store_s, store_lat, load_s, load_lat = await _raw_redis(config, payload, groups, limits)
+        else:
+            what, store_s, store_lat, load_s, load_lat = await _raw_s3(config, payload, groups, limits)
+    nbytes = blocks * block_nbytes
+    return {
+        "what": what,
+        "store": rates(nbytes, blocks, store_s, store_lat),
+        "load": rates(nbytes, blocks, load_s, load_lat),
+        "loop_lag": lag.summary(),
+    }
+
+
+async def _raw_files(work: Path, spec: OffloadingSpec, groups: list[list[int]]) -> tuple[Any, ...]:
+    stride = spec.block_stride
+    threads = spec.limits.io_threads
+    path = work / "raw.bin"
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
+
+    def prepare() -> int:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.posix_fallocate(fd, 0, len(groups) * len(groups[0]) * stride)
+        os.close(fd)
+        return os.open(path, os.O_RDWR | os.O_DIRECT)
+
+    fd = await asyncio.to_thread(prepare)
+    # The same kind of memory as a primary tier's (huge pages where possible), so the ratio
+    # measures the tier's own costs, not the memory it reads into.
+    buffers = [memoryview(reserve_host_memory(stride * len(groups[0]))) for _ in groups]
+    for buffer in buffers:
+        buffer[:] = os.urandom(len(buffer))
+    with ThreadPoolExecutor(threads) as pool:
+        loop = asyncio.get_running_loop()
+
+        def io(fn: Callable[..., Any], n: int) -> Callable[[], Awaitable[Any]]:
+            size = len(groups[n]) * stride
+            return lambda: loop.run_in_executor(pool, fn, fd, [buffers[n][:size]], groups[n][0] * stride)
+
+        try:
+            store_s, store_lat = await timed_requests([io(os.pwritev, n) for n in range(len(groups))])
+            await asyncio.to_thread(drop_page_cache, work)
+            load_s, load_lat = await timed_requests([io(os.preadv, n) for n in range(len(groups))])
+        finally:
+            os.close(fd)
+    what = f"O_DIRECT pwritev/preadv, one file, {threads} threads"
+    return what, store_s, store_lat, load_s, load_lat
+
+
+async def _raw_memory(spec: OffloadingSpec, groups: list[list[int]]) -> tuple[Any, ...]:
+    source = torch.randint(0, 256, (sum(map(len, groups)), spec.block_nbytes), dtype=torch.uint8)
+    copies: dict[int, torch.Tensor] = {}
+    threads = spec.limits.io_threads
+    with ThreadPoolExecutor(threads) as pool:
+        loop = asyncio.get_running_loop()
+
+        def store(group: list[int]) -> None:
+            for i in group:
+                copies[i] = source[i].clone()
+
+        def load(group: list[int]) -> None:
+            for i in group:
+                source[i].copy_(copies[i])
+
+        store_s, store_lat = await timed_requests(
+            [partial(loop.run_in_executor, pool, store, g) for g in groups]
+        )
+        load_s, load_lat = await timed_requests(
+            [partial(loop.run_in_executor, pool, load, g) for g in groups]
+        )
+    return f"torch copies, {threads} threads", store_s, store_lat, load_s, load_lat
+
+
+async def _raw_redis(
+    config: dict[str, Any], payload: bytes, groups: list[list[int]], limits: Any
+) -> tuple[Any, ...]:
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(config.get("url", "redis://localhost:6379/0"), driver_info=None)
+    prefix = f"kvtier-bench-raw:{os.getpid()}:{time.monotonic_ns()}:"
+    # A memoryview, as redis-py is best used: it sends one as it is, where a `bytes` value is
+    # copied into one string with the command first (hiredis' packer), on the event loop.
+    value = memoryview(payload)
+
+    async def put(group: list[int]) -> None:
+        async with client.pipeline(transaction=False) as pipe:
+            for i in group:
+                pipe.set(prefix + str(i), value)
+            await pipe.execute()
+
+    async def get(group: list[int]) -> None:
+        async with client.pipeline(transaction=False) as pipe:
+            for i in group:
+                pipe.get(prefix + str(i))
+            await pipe.execute()
+
+    try:
+        store_s, store_lat = await timed_requests(
+            [partial(put, g) for g in groups], limits.max_inflight_stores
+        )
+        load_s, load_lat = await timed_requests([partial(get, g) for g in groups], limits.max_inflight_loads)
+        await client.delete(*(prefix + str(i) for g in groups for i in g))
+    finally:
+        await client.aclose()
+    return "redis-py pipelines (hiredis, memoryview values)", store_s, store_lat, load_s, load_lat
+
+
+async def _raw_s3(
+    config: dict[str, Any], payload: bytes, groups: list[list[int]], limits: Any
+) -> tuple[Any, ...]:
+    import obstore
+    from obstore.store import S3Store
+
+    options = {
+        name: config[name]
+        for name in ("endpoint", "region", "access_key_id", "secret_access_key")
+        if config.get(name) is not None
+    }
+    options.setdefault("region", "us-east-1")
+    store = S3Store(
+        config["bucket"], client_options={"allow_http": bool(config.get("allow_http"))}, **options
+    )
+    prefix = f"kvtier-bench-raw/{os.getpid()}-{time.monotonic_ns()}/"
+
+    async def put(group: list[int]) -> None:
+        await asyncio.gather(*(obstore.put_async(store, prefix + str(i), payload) for i in group))
+
+    async def get_one(i: int) -> None:
+        await (await obstore.get_async(store, prefix + str(i))).bytes_async()
+
+    async def get(group: list[int]) -> None:
+        await asyncio.gather(*(get_one(i) for i in group))
+
+    store_s, store_lat = await timed_requests([partial(put, g) for g in groups], limits.max_inflight_stores)
+    load_s, load_lat = await timed_requests([partial(get, g) for g in groups], limits.max_inflight_loads)
+    await obstore.delete_async(store, [prefix + str(i) for g in groups for i in g])
+    return "obstore PUT/GET", store_s, store_lat, load_s, load_lat
+
+
+# -- the pipeline ---------------------------------------------------------------------------------
