@@ -23,9 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -48,20 +47,6 @@ from .tier import SecondaryTierManager
 __all__ = ["TieredKVCache"]
 
 log = logging.getLogger(__name__)
-
-
-def _weakly(method: Callable[[], None]) -> Callable[[], None]:
-    """A callback that calls a bound `method` without keeping its object alive. The primary
-    tier calling back into the cache would otherwise be a reference cycle, freed by the
-    cycle collector (on whatever thread, often the event loop's) instead of by its owner."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -106,8 +91,11 @@ class TieredKVCache(AsyncResource):
             self.copy_engine.close()
             raise
         self.counters: Counter[str] = Counter()
+        # The primary tier calls into the pipelines' `Releases`, not into the cache: a callback
+        # into the cache would be a reference cycle, freed by the cycle collector (on whatever
+        # thread, often the event loop's) instead of when its owner drops it.
         releases = Releases()
-        self.primary.on_release = _weakly(releases.note)
+        self.primary.on_release = releases.note
         self._stores = StorePipeline(
             spec, self.primary, self.copy_engine, self.tiers, releases, self.counters
         )

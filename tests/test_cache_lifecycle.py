@@ -162,9 +162,9 @@ async def test_closing_waits_for_a_load_in_flight_before_giving_the_memory_back(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("tier_type", ["memory", "fs"])
 async def test_a_dropped_cache_is_freed_without_the_cycle_collector(tier_type: str, tmp_path: Path) -> None:
-    """The primary tier's callback into the cache is weak, and neither the cache nor its tiers
-    keep bound methods of themselves: no reference cycle keeps the cache or a tier (and, were
-    they not closed, their memory) alive until a collection on the event loop."""
+    """Neither the cache nor its tiers are called back by what they own (the primary tier, a
+    tier's rooms): no reference cycle keeps the cache or a tier (and, were they not closed,
+    their memory) alive until a collection on the event loop."""
     tier: dict[str, object] = {"type": tier_type} | ({"root": str(tmp_path)} if tier_type == "fs" else {})
     gc.disable()
     try:
