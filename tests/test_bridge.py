@@ -82,6 +82,41 @@ def test_stop_joins_the_thread_and_later_work_is_refused_cleanly() -> None:
         bridge.call_soon(print, "never")  # ignored, not an error
 
 
+def test_start_runs_work_on_the_loop_and_tells_done_once_it_has_ended() -> None:
+    # From an engine thread: the task runs on the loop, stays in `started` until it has
+    # ended, and `done` hears of it on the loop thread, after it has left `started`.
+    bridge = LoopThread("kvtier-test-bridge")
+    release = threading.Event()
+    ended = threading.Event()
+    seen: list[object] = []
+
+    async def job() -> str:
+        await asyncio.to_thread(release.wait, 60)
+        return threading.current_thread().name
+
+    def done(task: asyncio.Task[str]) -> None:
+        seen.extend([task.result(), threading.current_thread().name, task in bridge.started])
+        ended.set()
+
+    try:
+        bridge.start(job(), done)
+        bridge.start(where_am_i())  # no `done`: just run
+
+        async def running() -> int:  # on the loop, after the two starts (its queue is in order)
+            return len(bridge.started)
+
+        assert bridge.call(running()) >= 1  # the job has not ended
+        release.set()
+        assert ended.wait(60)
+        assert seen == ["kvtier-test-bridge", "kvtier-test-bridge", False]
+    finally:
+        release.set()  # a failed assertion must not leave the job holding up stop()
+        bridge.stop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine left un-awaited would warn
+        bridge.start(where_am_i())  # dropped once stopped, not an error
+
+
 def test_settle_lets_tasks_finish_then_cancels_and_awaits_the_rest() -> None:
     from kvtier_async.integrations.bridge import settle
 

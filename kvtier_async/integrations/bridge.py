@@ -51,6 +51,8 @@ class LoopThread:
         self.loop = _new_loop()
         self._lock = threading.Lock()  # orders submissions against stop()
         self._stopped = False
+        #: Tasks begun with `start` that have not ended (loop thread only).
+        self.started: set[asyncio.Task[Any]] = set()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
@@ -68,6 +70,27 @@ class LoopThread:
             work.close()
             raise RuntimeError(f"{self.name}: call() from the loop's own thread would wait forever")
         return self.submit(work).result()
+
+    def start(
+        self, work: Coroutine[Any, Any, T], done: Callable[[asyncio.Task[T]], object] | None = None
+    ) -> None:
+        """Start `work` as a task on the loop, soon, from any thread; `done(task)` runs on the loop
+        once it has ended. Until then the task is in `started`, so that a shutdown can settle
+        what is still running. Once stopped, `work` is dropped unrun."""
+        with self._lock:
+            if self._stopped:
+                work.close()  # never started: no "coroutine was never awaited" warning
+                return
+            self.loop.call_soon_threadsafe(self._create_task, work, done)
+
+    def _create_task(
+        self, work: Coroutine[Any, Any, T], done: Callable[[asyncio.Task[T]], object] | None
+    ) -> None:
+        task = self.loop.create_task(work)
+        self.started.add(task)
+        task.add_done_callback(self.started.discard)
+        if done is not None:
+            task.add_done_callback(done)
 
     def call_soon(self, callback: Callable[..., object], *args: Any) -> None:
         """Run `callback(*args)` on the loop thread, soon; ignored once stopped."""

@@ -188,7 +188,6 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         self._load_fd = create_event_notifier()
         self._classes: dict[int, _SizeClass] = {}  # loop thread only
         self._opening: dict[int, asyncio.Future[_SizeClass]] = {}  # loop thread only
-        self._tasks: set[asyncio.Task[None]] = set()  # loop thread only
         self._bridge = LoopThread("kvtier-lmcache")
 
     # -- event fds ----------------------------------------------------------------------------------
@@ -211,12 +210,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             return task_id
 
     def _start(self, work: Any) -> None:
-        self._bridge.call_soon(self._run_task, work)
-
-    def _run_task(self, work: Any) -> None:
-        task = self._bridge.loop.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._bridge.start(work)
 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         """Store `objects` under `keys` in the background; the result via `pop_completed_store_tasks`."""
@@ -512,7 +506,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 notifier.close()
 
     async def _close(self) -> None:
-        if cancelled := await settle(self._tasks, CLOSE_GRACE_S):
+        if cancelled := await settle(self._bridge.started, CLOSE_GRACE_S):
             log.warning("kvtier LMCache adapter: cancelled %d tasks still running at close", cancelled)
         for size_class in self._classes.values():
             await size_class.tier.aclose()

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine, Iterable, Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -171,7 +172,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._older_answers: dict[bytes, bool] = {}
         self._reported: dict[str, int] = {}  # counters already reported by get_stats
         self._gauges: dict[str, int] = {}  # refreshed on the loop thread as jobs finish
-        self._tasks: dict[int, asyncio.Task[JobResult]] = {}  # loop thread only
         self._bridge = LoopThread("kvtier-vllm")
         try:
             self._tier: KVTier = self._bridge.call(self._open(tier))
@@ -343,17 +343,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def _start(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
         with self._lock:
             self._pending_jobs.add(job_id)
-        self._bridge.call_soon(self._start_job, job_id, work)
-
-    def _start_job(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
-        # On the loop thread. The result is recorded when the task has really ended, never
-        # earlier: until then its I/O may still touch the job's primary rows.
-        task = self._bridge.loop.create_task(work)
-        self._tasks[job_id] = task
-        task.add_done_callback(lambda done: self._job_done(job_id, done))
+        # The result is recorded when the task has really ended, never earlier: until then its
+        # I/O may still touch the job's primary rows.
+        self._bridge.start(work, partial(self._job_done, job_id))
 
     def _job_done(self, job_id: int, task: asyncio.Task[JobResult]) -> None:
-        del self._tasks[job_id]
         if task.cancelled():
             result = JobResult(job_id=job_id, success=False)
         elif (error := task.exception()) is not None:
@@ -467,7 +461,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 self._changed.notify_all()
 
     async def _close(self) -> None:
-        if cancelled := await settle(self._tasks.values(), SHUTDOWN_GRACE_S):
+        if cancelled := await settle(self._bridge.started, SHUTDOWN_GRACE_S):
             log.warning("kvtier vLLM tier: cancelled %d jobs still running at shutdown", cancelled)
         await self._tier.aclose()
 
