@@ -15,7 +15,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .layout import Entry, latest_per_record
+from .layout import ENTRY, Entry, latest_per_record
 
 __all__ = ["Claim", "LogNews", "OtherSlab", "OwnSlab", "Record", "SlabIndex"]
 
@@ -95,15 +95,13 @@ class SlabIndex:
         self.others: dict[int, OtherSlab] = {}
 
     # -- what is where ---------------------------------------------------------------------------
-    def is_own(self, where: Record) -> bool:
-        return where[0] in self.own
-
     def own_blocks(self) -> int:
         """Blocks in our slabs: published, and pinned."""
         return len(self.lru) + sum(1 for w in self.readers if w[0] in self.own)
 
-    def used_bytes(self, entry_bytes: int) -> int:
-        return sum(s.end + s.log_entries * entry_bytes for s in self.own.values())
+    def used_bytes(self) -> int:
+        """Bytes our slabs take on disk: their data files and their logs."""
+        return sum(s.end + s.log_entries * ENTRY for s in self.own.values())
 
     # -- room ------------------------------------------------------------------------------------
     def take_free(self) -> tuple[Record, bool] | None:

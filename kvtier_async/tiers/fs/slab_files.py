@@ -70,7 +70,14 @@ class SlabFiles:
     """
 
     def __init__(
-        self, root: Path, namespace: str, directory: Path, block_nbytes: int, record_bytes: int
+        self,
+        root: Path,
+        namespace: str,
+        directory: Path,
+        block_nbytes: int,
+        record_bytes: int,
+        *,
+        fsync: bool,
     ) -> None:
         self.root = root
         self.namespace = namespace
@@ -79,7 +86,7 @@ class SlabFiles:
         self.record_bytes = record_bytes
         self.name = "fs"  # the tier's name, in log messages
         self.direct_io = False
-        self.fsync = False
+        self.fsync = fsync  # data, logs and the directory made durable before a store returns
         self.capacity_bytes = 0
         self.slab_records = 1
         self.max_slabs = 0

@@ -120,14 +120,17 @@ class FileSystemTier(SecondaryTierManager):
         self.directory = self.root / namespace_dir_name(offloading_spec.namespace)
         self.requested_capacity = capacity_bytes
         self.direct_io_requested = direct_io
-        self.fsync = fsync
         self.staging_requested = staging
         self.refresh_interval_s = float(refresh_interval_s)
         self._primary_base = address_of(self.primary_kv_view)
         self.files = SlabFiles(
-            self.root, offloading_spec.namespace, self.directory, self.block_nbytes, self.record_bytes
+            self.root,
+            offloading_spec.namespace,
+            self.directory,
+            self.block_nbytes,
+            self.record_bytes,
+            fsync=fsync,
         )
-        self.files.fsync = fsync
         self.index = SlabIndex(self.record_bytes)  # touched on the event-loop thread only
         self.records = RecordIO(self.files, self.primary_kv_view, self.index.own, self.fault_log)
         self.room = Room(self.index, self.files, self.counters, self.fault_log)
@@ -138,6 +141,11 @@ class FileSystemTier(SecondaryTierManager):
     def capacity_bytes(self) -> int:
         """Bytes on disk this namespace may take, all processes together (0 until opened)."""
         return self.files.capacity_bytes
+
+    @property
+    def fsync(self) -> bool:
+        """Whether `store` returns only once the data and the index entries are durable."""
+        return self.files.fsync
 
     @property
     def direct_io(self) -> bool:
@@ -374,7 +382,7 @@ class FileSystemTier(SecondaryTierManager):
             "root": str(self.root),
             "blocks": len(self.index.where),
             "own_blocks": self.index.own_blocks(),
-            "used_bytes": self.index.used_bytes(ENTRY),
+            "used_bytes": self.index.used_bytes(),
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
             "staging": self.staging,
