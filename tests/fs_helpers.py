@@ -39,6 +39,14 @@ async def store_keys(tier: FileSystemTier, primary: kt.PrimaryTier, keys: list[b
     return await tier.store(keys, list(range(len(keys))))
 
 
+async def store_in_fours(tier: FileSystemTier, primary: kt.PrimaryTier, first: int, end: int) -> list[bool]:
+    """Store the keys of `first` .. `end - 1` four at a time: a small tier evicts as it goes."""
+    results: list[bool] = []
+    for start in range(first, end, 4):
+        results += await store_keys(tier, primary, [key_for(i) for i in range(start, min(start + 4, end))])
+    return results
+
+
 async def load_and_check(
     tier: FileSystemTier, primary: kt.PrimaryTier, keys: list[bytes]
 ) -> list[bool | None]:

@@ -596,8 +596,7 @@ async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Pa
         await asyncio.to_thread(started.wait, 60)
         tier.records.read = original  # type: ignore[method-assign]
         # Fill the tier several times over: every other block gets evicted meanwhile.
-        for start in range(1, 40, 4):
-            await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])
+        await h.store_in_fours(tier, primary, 1, 41)
         assert tier.stats()["evictions"] > 8
         release.set()
         assert await reading == [True]
@@ -613,8 +612,7 @@ async def test_a_held_block_is_never_evicted_until_released(tmp_path: Path) -> N
         await h.store_keys(tier, primary, [victim])
         assert tier.hold([victim, h.key_for(999)]) == [True, False]  # the second is not held
         assert tier.hold([victim]) == [True]  # holds count
-        for start in range(1, 40, 4):  # the tier filled several times over
-            await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])
+        await h.store_in_fours(tier, primary, 1, 41)  # the tier filled several times over
         assert tier.stats()["evictions"] > 8
         assert await h.load_and_check(tier, primary, [victim]) == [True]
         tier.release([victim])
@@ -622,8 +620,7 @@ async def test_a_held_block_is_never_evicted_until_released(tmp_path: Path) -> N
         assert await tier.contains([victim]) == [True]  # one hold left
         tier.release([victim])
         tier.release([victim])  # one release too many: harmless
-        for start in range(52, 80, 4):
-            await h.store_keys(tier, primary, [h.key_for(i) for i in range(start, start + 4)])
+        await h.store_in_fours(tier, primary, 52, 80)
         assert await tier.contains([victim]) == [False]  # released: evicted like any other
 
 
@@ -638,9 +635,7 @@ async def test_a_held_block_is_still_deleted_when_asked(tmp_path: Path) -> None:
         assert await tier.delete([victim]) == 1
         assert await tier.contains([victim]) == [False]
         tier.release([victim])  # its record is room again
-        for start in range(1, 40, 4):
-            keys = [h.key_for(i) for i in range(start, start + 4)]
-            assert await h.store_keys(tier, primary, keys) == [True] * 4
+        assert await h.store_in_fours(tier, primary, 1, 41) == [True] * 40
 
 
 @pytest.mark.asyncio
