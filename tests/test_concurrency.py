@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import probe_tier  # noqa: F401  loaded by module_path, as a user's tier is
 import pytest
 import torch
+from child_env import child_env
 from test_stress import BLOCK_NBYTES, WIDTH, content, documents
 
 import kvtier_async as kt
@@ -414,7 +415,7 @@ def test_the_random_mixes_hold_under_python_O(tmp_path: Path) -> None:
         text=True,
         timeout=600,
         cwd=tests,
-        env={**os.environ, "PYTHONPATH": str(tests)},
+        env=child_env(tests),
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
         done.stdout[-3000:] + done.stderr[-3000:]

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 SOURCE = Path(os.environ.get("KVTIER_LMCACHE_TESTS", Path(sys.prefix) / "lmcache-tests"))
 PLUGIN_DIR = Path(__file__).resolve().parent / "lmcache_contract"
@@ -72,8 +73,7 @@ def run_lmcache_tests(test_file: str, root: Path, *, ours: bool, tier: str = "fs
         for name in NOT_THE_CONTRACT.get(test_file, {}):
             command += ["--deselect", f"{test_file}::{name}"]
     env = {
-        **os.environ,
-        "PYTHONPATH": str(PLUGIN_DIR),
+        **child_env(PLUGIN_DIR),
         "KVTIER_LMCACHE_TIER": tier,
         "KVTIER_LMCACHE_ROOT": str(root),
     }

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +7,7 @@ from typing import Any
 
 import probe_tier  # noqa: F401 - imported up front: a first import reads files
 import pytest
+from child_env import child_env
 
 from kvtier_async.testing import TierContractTests
 
@@ -110,7 +110,7 @@ def test_a_failing_contract_check_shows_what_it_compared(tmp_path: Path) -> None
         text=True,
         timeout=300,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        env=child_env(tmp_path),
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "assert [False, False] == [False, True]" in done.stdout, done.stdout[-3000:]
