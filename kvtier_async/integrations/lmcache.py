@@ -19,13 +19,10 @@ result is recorded first, then the task's event fd is signalled: a reader that
 drains the fd's counter once for many completions finds every result it was told
 about. `query_*` answer each task exactly once (None before it has ended).
 
-Objects and memory. LMCache hands store and load tasks memory objects anywhere
-in its own memory, of sizes that vary with the chunk. A kvtier tier moves
-fixed-size blocks between its primary memory and its backend, so the adapter
-keeps one tier per object size, each over a staging region of its own
-(`staging_mib`, at most 256 slots): a store copies each object into a staging
-slot and stores the slot; a load loads into slots and copies out the blocks that
-arrived exact. The copies run on kvtier's worker threads, the GIL released.
+Objects and memory. LMCache's objects vary in size; a kvtier tier moves
+fixed-size blocks. The adapter keeps one tier per object size, each over a
+staging region of its own (`staging_mib`; `lmcache_objects`), and copies each
+object in or out of its staging slot on kvtier's worker threads.
 
 Keys. An `ObjectKey` (chunk hash, model, KV rank, object group, cache salt)
 becomes one kvtier key, a BLAKE2b digest of all five fields: two models, ranks,
@@ -52,7 +49,7 @@ import hashlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -61,13 +58,9 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
-from ..buffers import copy_into
 from ..errors import ClosedError, ConfigError
-from ..factory import SecondaryTierFactory
-from ..primary import reserve_host_memory
-from ..spec import OffloadingSpec
-from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread, engine_config, settle
+from .lmcache_objects import SizeClass, SizeClasses, check_objects, object_view, parts
 
 __all__ = ["KVTierL2Adapter"]
 
@@ -75,16 +68,11 @@ log = logging.getLogger(__name__)
 
 #: Default staging memory per object size, in MiB.
 STAGING_MIB = 256
-#: Staging slots per object size, at most.
-MAX_SLOTS = 256
 #: I/O threads per tier unless "limits" says otherwise: each chunk waits for its staging copy
 #: between LMCache's call and the tier's write, so the disk needs more requests in flight than
 #: the tier's own default (2 per core) keeps there. `bench/lmcache_l2.py`, 2 MiB chunks, 2 cores:
 #: stores 0.82x LMCache's fs adapter with 4 threads, 0.98x with 8.
 IO_THREADS = 8
-#: Bytes of objects copied and moved together: a task's parts run at once, so the copies of one
-#: part overlap the I/O of the others.
-PART_BYTES = 8 << 20
 #: How long `close` lets tasks in flight finish before it cancels them.
 CLOSE_GRACE_S = 10.0
 
@@ -115,50 +103,6 @@ def _layout_nbytes(desc: Any) -> int:
         return 0
 
 
-def _object_view(obj: Any) -> memoryview:
-    """The object's bytes, in its own memory: LMCache's `byte_array` (its logical size)."""
-    return memoryview(obj.byte_array).cast("B")
-
-
-def _check_task(keys: Sequence[Any], objects: Sequence[Any]) -> None:
-    """Refuse a task LMCache could not mean, before it gets an id: raises ValueError."""
-    if len(keys) != len(objects):
-        raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-    for obj in objects:
-        try:
-            _object_view(obj)
-        except (AttributeError, TypeError, NotImplementedError) as exc:
-            raise ValueError(f"{type(obj).__name__} exposes no byte_array to copy: {exc}") from exc
-
-
-class _SizeClass:
-    """One object size: a kvtier tier over a staging region of `slots` slots (loop thread only)."""
-
-    def __init__(self, nbytes: int, tier: KVTier, memory: Any, stride: int) -> None:
-        self.nbytes = nbytes
-        self.tier = tier
-        self.memory = memory  # the staging mapping, `slots` slots `stride` bytes apart
-        self.stride = stride
-        self.slots = len(memory) // stride
-        self._free = list(range(self.slots))
-        self._freed = asyncio.Condition()
-
-    async def take(self, wanted: int) -> list[int]:
-        """Between 1 and `wanted` free slots, waiting for one if none is free."""
-        async with self._freed:
-            await self._freed.wait_for(lambda: bool(self._free))
-            taken, self._free = self._free[:wanted], self._free[wanted:]
-            return taken
-
-    def slot(self, slot: int) -> memoryview:
-        return memoryview(self.memory)[slot * self.stride : slot * self.stride + self.nbytes]
-
-    async def give(self, slots: list[int]) -> None:
-        async with self._freed:
-            self._free.extend(slots)
-            self._freed.notify_all()
-
-
 class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has no type information
     """Any kvtier tier as LMCache's L2 (`--l2-adapter '{"type": "plugin", ...}'`)."""
 
@@ -172,7 +116,6 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 f'kvtier LMCache adapter: "staging_mib" must be an int >= 1, got {staging_mib!r}'
             )
         super().__init__(max_capacity_bytes=0)
-        self.staging_bytes = staging_mib << 20
         self._lock = threading.Lock()  # guards the task books below; LMCache's threads call at once
         self._next_task = 0
         self._stores_done: dict[L2TaskId, L2StoreResult] = {}
@@ -181,13 +124,12 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         self._locks: Counter[bytes] = Counter()
         # Per locked key, per lock, the size class whose tier holds its block (None: it could not).
         # Touched on the loop thread only.
-        self._held: dict[bytes, list[_SizeClass | None]] = {}
+        self._held: dict[bytes, list[SizeClass | None]] = {}
         self._closed = False
         self._store_fd = create_event_notifier()
         self._lookup_fd = create_event_notifier()
         self._load_fd = create_event_notifier()
-        self._classes: dict[int, _SizeClass] = {}  # loop thread only
-        self._opening: dict[int, asyncio.Future[_SizeClass]] = {}  # loop thread only
+        self._sizes = SizeClasses(self.tier_config, self.limits, staging_mib << 20)  # loop thread only
         self._bridge = LoopThread("kvtier-lmcache")
 
     # -- event fds ----------------------------------------------------------------------------------
@@ -214,7 +156,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         """Store `objects` under `keys` in the background; the result via `pop_completed_store_tasks`."""
-        _check_task(keys, objects)
+        check_objects(keys, objects)
         task_id = self._new_task()
         self._start(self._store(task_id, list(keys), list(objects)))
         return task_id
@@ -250,7 +192,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         """Load `keys` into `objects` (LMCache's buffers) in the background; the bitmap via
         `query_load_result`: a bit is set only where the object now holds the exact bytes."""
-        _check_task(keys, objects)
+        check_objects(keys, objects)
         task_id = self._new_task()
         self._start(self._load(task_id, list(keys), list(objects)))
         return task_id
@@ -260,66 +202,16 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             return self._loads_done.pop(task_id, None)
 
     # -- the tasks, on the loop thread ----------------------------------------------------------------
-    async def _size_class(self, nbytes: int) -> _SizeClass:
-        """The tier for objects of `nbytes`, opened on first use (concurrent first uses share it)."""
-        if nbytes in self._classes:
-            return self._classes[nbytes]
-        opening = self._opening.get(nbytes)
-        if opening is None:
-            opening = asyncio.ensure_future(self._open_class(nbytes))
-            self._opening[nbytes] = opening
-        try:
-            return await asyncio.shield(opening)
-        finally:
-            if opening.done():
-                self._opening.pop(nbytes, None)
-
-    async def _open_class(self, nbytes: int) -> _SizeClass:
-        stride = -(-nbytes // 4096) * 4096
-        slots = max(1, min(MAX_SLOTS, self.staging_bytes // stride))
-        memory = reserve_host_memory(slots * stride)
-        spec = OffloadingSpec(
-            block_nbytes=nbytes,
-            num_cpu_blocks=slots,
-            secondary_tiers=[self.tier_config],
-            namespace=f"lmcache:{nbytes}",
-            **self.limits,
-        )
-        tier = SecondaryTierFactory.create_secondary_tier(self.tier_config, memoryview(memory), spec)
-        try:
-            await tier.open()
-        except BaseException:
-            await tier.aclose()
-            raise
-        size_class = _SizeClass(nbytes, tier, memory, stride)
-        self._classes[nbytes] = size_class
-        return size_class
-
-    @staticmethod
-    def _by_size(objects: Sequence[Any]) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for i, obj in enumerate(objects):
-            groups.setdefault(_object_view(obj).nbytes, []).append(i)
-        return groups
-
-    def _parts(self, objects: Sequence[Any]) -> list[tuple[int, list[int]]]:
-        """The objects by size, cut in parts of about `PART_BYTES`: (size, indices) each."""
-        parts = []
-        for nbytes, members in self._by_size(objects).items():
-            step = max(1, PART_BYTES // nbytes)
-            parts += [(nbytes, members[i : i + step]) for i in range(0, len(members), step)]
-        return parts
-
     async def _store(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         stored: list[int] = []  # newly stored: counted in LMCache's byte accounting once
         ok = False
         try:
-            parts = self._parts(objects)
+            cut = parts(objects)
             # The parts run at once: one part's copies overlap the others' writes.
-            work = [self._store_part(nbytes, part, keys, objects) for nbytes, part in parts]
+            work = [self._in_part(nbytes, part, keys, objects, store=True) for nbytes, part in cut]
             outcomes = await asyncio.gather(*work, return_exceptions=True)
             ok = True
-            for (_, part), outcome in zip(parts, outcomes):
+            for (_, part), outcome in zip(cut, outcomes):
                 if isinstance(outcome, BaseException):  # a task never raises into LMCache: it fails
                     ok = False
                     log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, outcome)
@@ -329,48 +221,32 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         except Exception as exc:
             log.warning("kvtier LMCache adapter: store task %d failed: %r", task_id, exc)
         finally:  # even when cancelled at close: every task gets its answer
-            sizes = [_object_view(objects[i]).nbytes for i in stored]
+            sizes = [object_view(objects[i]).nbytes for i in stored]
             with self._lock:
                 self._stores_done[task_id] = L2StoreResult(ok, sum(sizes))
             if stored:
                 self._notify_keys_stored([keys[i] for i in stored], sizes)
             self._store_fd.notify()
 
-    async def _store_part(
-        self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any]
-    ) -> list[str]:
-        """Each object's outcome: "new" (stored now), "held" (the tier had it: not copied, not
-        written, not counted again) or "failed"."""
-        size_class = await self._size_class(nbytes)
+    async def _in_part(
+        self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any], *, store: bool
+    ) -> list[Any]:
+        """Store (each object's "new" / "held" / "failed") or load (each True where exact) one part."""
+        size_class = await self._sizes.get(nbytes)
         names = [object_key(keys[i]) for i in part]
-        held = await size_class.tier.lookup_each(names)
-        states = ["held" if h else "failed" for h in held]
-        todo = [j for j, h in enumerate(held) if not h]
-        done = 0
-        while done < len(todo):
-            slots = await size_class.take(len(todo) - done)
-            chunk = todo[done : done + len(slots)]
-            try:
-                moved = [objects[part[j]] for j in chunk]
-                await size_class.tier.run_cpu(nbytes * len(chunk), _copy_in, size_class, slots, moved)
-                results = await size_class.tier.store([names[j] for j in chunk], slots)
-            finally:
-                await size_class.give(slots)
-            for j, ok in zip(chunk, results):
-                states[j] = "new" if ok else "failed"
-            done += len(chunk)
-        return states
+        moved = [objects[i] for i in part]
+        return await (size_class.store(names, moved) if store else size_class.load(names, moved))
 
     async def _lookup(self, task_id: L2TaskId, keys: list[Any], sizes: list[int]) -> None:
         bitmap = Bitmap(len(keys))
         wanted = [object_key(key) for key in keys]
         try:
             for nbytes in sizes:  # the groups' full-chunk sizes: opened here after a restart
-                await self._size_class(nbytes)
+                await self._sizes.get(nbytes)
             present = [False] * len(keys)
-            found_in: list[_SizeClass | None] = [None] * len(keys)
+            found_in: list[SizeClass | None] = [None] * len(keys)
             # An object's size is not in its key: ask the tier of every size opened so far.
-            for size_class in list(self._classes.values()):
+            for size_class in self._sizes.opened():
                 todo = [i for i, hit in enumerate(present) if not hit]
                 if not todo:
                     break
@@ -411,12 +287,12 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         bitmap = Bitmap(len(keys))
         loaded: list[int] = []
         try:
-            parts = self._parts(objects)
+            cut = parts(objects)
             outcomes = await asyncio.gather(
-                *(self._load_part(nbytes, part, keys, objects) for nbytes, part in parts),
+                *(self._in_part(nbytes, part, keys, objects, store=False) for nbytes, part in cut),
                 return_exceptions=True,
             )
-            for (_, part), outcome in zip(parts, outcomes):
+            for (_, part), outcome in zip(cut, outcomes):
                 if isinstance(outcome, BaseException):  # its objects may be half-written: none counts
                     log.warning("kvtier LMCache adapter: load task %d failed in part: %r", task_id, outcome)
                     continue
@@ -432,27 +308,6 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 self._notify_keys_accessed([keys[i] for i in loaded])
             self._load_fd.notify()
 
-    async def _load_part(
-        self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any]
-    ) -> list[bool]:
-        size_class = await self._size_class(nbytes)
-        results: list[bool] = []
-        while len(results) < len(part):
-            slots = await size_class.take(len(part) - len(results))
-            chunk = part[len(results) : len(results) + len(slots)]
-            try:
-                arrived = await size_class.tier.load([object_key(keys[i]) for i in chunk], slots)
-                hits = [(slot, objects[i]) for slot, i, ok in zip(slots, chunk, arrived) if ok]
-                if hits:
-                    copied = [slot for slot, _ in hits]
-                    await size_class.tier.run_cpu(
-                        nbytes * len(hits), _copy_out, size_class, copied, [obj for _, obj in hits]
-                    )
-            finally:
-                await size_class.give(slots)
-            results += arrived
-        return results
-
     # -- housekeeping ---------------------------------------------------------------------------------
     def delete(self, keys: list[Any]) -> None:
         """Delete `keys` from the tier (LMCache's eviction); waits until done. A no-op once closed."""
@@ -466,7 +321,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
 
     async def _delete(self, wanted: list[bytes]) -> list[int]:
         sizes = [0] * len(wanted)
-        for size_class in list(self._classes.values()):
+        for size_class in self._sizes.opened():
             held = await size_class.tier.lookup_each(wanted)
             doomed = [key for key, h in zip(wanted, held) if h]
             if doomed:
@@ -490,7 +345,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         }
 
     async def _stats(self) -> dict[int, dict[str, Any]]:
-        return {nbytes: size_class.tier.stats() for nbytes, size_class in self._classes.items()}
+        return {size_class.nbytes: size_class.tier.stats() for size_class in self._sizes.opened()}
 
     def close(self) -> None:
         """Let tasks in flight finish (cancel them after `CLOSE_GRACE_S`), close the tiers, stop the
@@ -508,18 +363,4 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     async def _close(self) -> None:
         if cancelled := await settle(self._bridge.started, CLOSE_GRACE_S):
             log.warning("kvtier LMCache adapter: cancelled %d tasks still running at close", cancelled)
-        for size_class in self._classes.values():
-            await size_class.tier.aclose()
-        self._classes.clear()
-
-
-def _copy_in(size_class: _SizeClass, slots: list[int], objects: list[Any]) -> None:
-    """Worker thread: each object's bytes into its staging slot (the GIL released)."""
-    for slot, obj in zip(slots, objects):
-        copy_into(size_class.slot(slot), _object_view(obj))
-
-
-def _copy_out(size_class: _SizeClass, slots: list[int], objects: list[Any]) -> None:
-    """Worker thread: each loaded slot into its object (the GIL released)."""
-    for slot, obj in zip(slots, objects):
-        copy_into(_object_view(obj), size_class.slot(slot))
+        await self._sizes.close()

@@ -66,7 +66,7 @@ def debug_has_key(adapter: KVTierL2Adapter, key: Any) -> bool:
     wanted = object_key(key)
 
     async def ask() -> bool:
-        for size_class in list(adapter._classes.values()):
+        for size_class in adapter._sizes.opened():
             if (await size_class.tier.lookup_each([wanted]))[0]:
                 return True
         return False
