@@ -37,9 +37,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -47,7 +45,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .. import __version__
@@ -57,7 +55,8 @@ from ..keys import check_block_ids, check_keys, check_lengths
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread, settle
-from .known_keys import KnownKeys
+from .lookup_answers import LookupAnswers
+from .vllm_metrics import METRICS, TierMetrics, metric_definitions, tier_label
 
 __all__ = ["METRICS", "KVTierSecondaryTier"]
 
@@ -81,27 +80,6 @@ KNOWN_KEYS = 1 << 18
 _CHECK_BATCH = 1024
 #: How long `shutdown` lets jobs in flight finish before it cancels them.
 SHUTDOWN_GRACE_S = 10.0
-
-_COUNTERS = {
-    "stored_bytes": "Bytes a kvtier tier stored for vLLM.",
-    "stored_blocks": "Chunks a kvtier tier stored for vLLM.",
-    "store_failed_blocks": "Chunks a kvtier tier failed to store (I/O errors, no room).",
-    "stores_dropped": "Chunks a kvtier tier dropped because its pending-store budget was full.",
-    "stores_deduplicated": "Chunks a kvtier tier was asked to store but already held.",
-    "loaded_bytes": "Bytes a kvtier tier loaded into vLLM's primary tier.",
-    "load_hits": "Chunks a kvtier tier loaded byte-exact.",
-    "load_misses": "Chunks a kvtier tier was asked to load but did not have, or failed its checks.",
-    "errors": "Backend faults of a kvtier tier (counted, turned into misses and failed stores).",
-    "evictions": "Chunks a kvtier tier evicted to make room.",
-    "corrupt_blocks": "Chunks a kvtier tier found corrupt on read (a miss, never wrong bytes).",
-}
-_GAUGES = {
-    "blocks": "Chunks a kvtier tier holds.",
-    "used_bytes": "Bytes a kvtier tier uses.",
-    "capacity_bytes": "Bytes a kvtier tier may use.",
-}
-#: The Prometheus metrics `KVTierSecondaryTier` reports through vLLM, by our counter name.
-METRICS = {name: f"kvtier:{name}" for name in (*_COUNTERS, *_GAUGES)}
 
 
 class KVTierSecondaryTier(SecondaryTierManager):
@@ -149,7 +127,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self.medium = medium  # type: ignore[misc]
         self.cache_hit_source = hit_source  # type: ignore[misc]
         self.locality = Locality[locality.upper()] if locality is not None else default_locality
-        self._label = (self._tier_label(offloading_spec, tier_type, tier),)
+        self._metrics = TierMetrics(tier_label(offloading_spec, tier_type, tier))
         self._ownership = f"kvtier:{tier['type']}"
         self._events: list[OffloadingEvent] | None = (
             []
@@ -161,17 +139,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._closed = False
         self._pending_jobs: set[int] = set()
         self._finished: list[JobResult] = []
-        self._known: KnownKeys[bytes] = KnownKeys(KNOWN_KEYS)
-        self._storing: dict[bytes, int] = {}  # keys in store jobs in flight, with how many
-        self._asking: set[bytes] = set()  # keys queued or in flight for an existence check
-        self._to_check: list[bytes] = []
-        self._checks_in_flight = 0
-        # Check answers, kept for at least one whole step: the older generation is dropped at
-        # each step's end, so answers nobody reads (a request that went away) do not pile up.
-        self._answers: dict[bytes, bool] = {}
-        self._older_answers: dict[bytes, bool] = {}
-        self._reported: dict[str, int] = {}  # counters already reported by get_stats
-        self._gauges: dict[str, int] = {}  # refreshed on the loop thread as jobs finish
+        self._lookups = LookupAnswers(KNOWN_KEYS, _CHECK_BATCH)
         self._bridge = LoopThread("kvtier-vllm")
         try:
             self._tier: KVTier = self._bridge.call(self._open(tier))
@@ -187,57 +155,32 @@ class KVTierSecondaryTier(SecondaryTierManager):
             await tier.aclose()
             raise
         tier.removal_listeners.append(self._on_removed)
-        self._refresh_gauges(tier)
+        self._metrics.refresh_gauges(tier)
         return tier
-
-    @staticmethod
-    def _tier_label(offloading_spec: Any, tier_type: str, tier: Mapping[str, Any]) -> str:
-        """vLLM's label for this tier ("<index + 1>:<type>"), found by matching our config among the
-        spec's; "?:kvtier-<type>" where it cannot be told apart from another."""
-        configs = getattr(offloading_spec, "secondary_tier_configs", None) or []
-        matches = [
-            i
-            for i, config in enumerate(configs)
-            if isinstance(config, Mapping) and config.get("type") == tier_type and config.get("tier") == tier
-        ]
-        return f"{matches[0] + 1}:{tier_type}" if len(matches) == 1 else f"?:kvtier-{tier['type']}"
 
     # -- lookups ------------------------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT or MISS where known; RETRY while the key is being stored or asked about."""
         with self._lock:
             self._check_open()
-            if self._known.touch(key):
-                return LookupResult.HIT
-            if key in self._storing:
-                return LookupResult.RETRY
-            answer = self._answers.get(key, self._older_answers.get(key))
-            if answer is not None:
-                if answer:
-                    self._known.add([key])
-                return LookupResult.HIT if answer else LookupResult.MISS
-            if key not in self._asking:
-                self._asking.add(key)
-                self._to_check.append(key)
-                flush = len(self._to_check) >= _CHECK_BATCH
-            else:
-                flush = False
+            answer = self._lookups.answer(key)
+            flush = answer is None and self._lookups.batch_is_full
         if flush:
             self._send_checks()
-        return LookupResult.RETRY
+        if answer is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if answer else LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Send this step's unknown keys as one existence check; forget answers a step old."""
         with self._lock:
-            self._older_answers, self._answers = self._answers, {}
+            self._lookups.next_step()
         self._send_checks()
 
     def _send_checks(self) -> None:
         with self._lock:
-            keys, self._to_check = self._to_check, []
-            if not keys or self._closed:
+            if self._closed or not (keys := self._lookups.take_unasked()):
                 return
-            self._checks_in_flight += 1
         self._bridge.call_soon(self._start_check, keys)
 
     def _start_check(self, keys: list[bytes]) -> None:
@@ -249,17 +192,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if not task.cancelled() and task.exception() is None:
             present = task.result()
         with self._lock:
-            self._checks_in_flight -= 1
-            for key, found in zip(keys, present):
-                self._asking.discard(key)
-                self._answers[key] = found
-            self._known.add([key for key, found in zip(keys, present) if found])
+            self._lookups.answered(keys, present)
             self._changed.notify_all()
 
     def _on_removed(self, keys: list[bytes]) -> None:
         """The tier let go of `keys` (evicted, deleted, found corrupt): loop thread."""
         with self._lock:
-            self._known.forget(keys)
+            self._lookups.forget(keys)
             if self._events is not None:
                 self._events.append(self._event(keys, removed=True))
 
@@ -278,8 +217,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         """Write the job's primary rows to the tier; the result comes back via `get_finished_jobs`."""
         keys, rows = self._job_args(job_metadata)
         with self._lock:
-            for key in keys:
-                self._storing[key] = self._storing.get(key, 0) + 1
+            self._lookups.storing(keys)
         self._start(job_metadata.job_id, self._store(job_metadata.job_id, keys, rows))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -295,11 +233,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         finally:
             stored = [key for key, ok in zip(keys, results) if ok]
             with self._lock:  # one step: a lookup sees the key as being stored, or its outcome
-                for key in keys:
-                    self._storing[key] -= 1
-                    if not self._storing[key]:
-                        del self._storing[key]
-                self._known.add(stored)
+                self._lookups.stored(keys, stored)
                 if self._events is not None and stored:
                     self._events.append(self._event(stored, removed=False))
         elapsed = time.monotonic() - started
@@ -317,7 +251,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         loaded = [OffloadKey(key) for key, ok in zip(keys, results) if ok]
         with self._lock:
             # Gone (evicted, or another process's server restarted).
-            self._known.forget(key for key, ok in zip(keys, results) if not ok)
+            self._lookups.forget(key for key, ok in zip(keys, results) if not ok)
         complete = len(loaded) == len(keys)
         return JobResult(
             job_id=job_id,
@@ -357,7 +291,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             result = JobResult(job_id=job_id, success=False)
         else:
             result = task.result()
-        self._refresh_gauges(self._tier)
+        self._metrics.refresh_gauges(self._tier)
         with self._lock:
             self._finished.append(result)
             self._pending_jobs.discard(job_id)
@@ -374,19 +308,19 @@ class KVTierSecondaryTier(SecondaryTierManager):
         and every existence check sent has been answered. A job is never abandoned half-way."""
         waited = 0.0
         with self._lock:
-            while self._pending_jobs or self._checks_in_flight:
+            while self._pending_jobs or self._lookups.checks_in_flight:
                 if not self._changed.wait(timeout=5.0):
                     waited += 5.0
                     log.warning(
                         "kvtier vLLM tier: still waiting for %d jobs and %d lookups after %.0f s",
                         len(self._pending_jobs),
-                        self._checks_in_flight,
+                        self._lookups.checks_in_flight,
                         waited,
                     )
 
     def has_pending_work(self) -> bool:
         with self._lock:
-            return bool(self._pending_jobs or self._to_check or self._checks_in_flight)
+            return bool(self._pending_jobs or self._lookups.pending)
 
     # -- what vLLM asks of every tier -------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -402,34 +336,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        definitions: dict[str, OffloadingMetricMetadata] = {}
-        for name, documentation in _COUNTERS.items():
-            definitions[METRICS[name]] = OffloadingCounterMetadata(
-                documentation=documentation, labelnames=(TIER_LABEL,)
-            )
-        for name, documentation in _GAUGES.items():
-            definitions[METRICS[name]] = OffloadingGaugeMetadata(
-                documentation=documentation, labelnames=(TIER_LABEL,)
-            )
-        return definitions
+        return metric_definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counter increments since the last call, and the tier's gauges, labelled by tier."""
-        counters = dict(self._tier.counters)  # one C-level copy: safe against the loop thread
-        stats = OffloadingConnectorStats()
-        for name in _COUNTERS:
-            delta = counters.get(name, 0) - self._reported.get(name, 0)
-            if delta:
-                stats.increase_counter(METRICS[name], delta, self._label)
-                self._reported[name] = counters.get(name, 0)
-        for name, value in dict(self._gauges).items():
-            stats.set_gauge(METRICS[name], value, self._label)
-        return None if stats.is_empty() else stats
-
-    def _refresh_gauges(self, tier: KVTier) -> None:
-        # On the loop thread, which owns the tier's index.
-        backend = tier.backend_stats()
-        self._gauges = {name: backend[name] for name in _GAUGES if isinstance(backend.get(name), int)}
+        return self._metrics.stats(self._tier.counters)
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
