@@ -7,8 +7,7 @@ waits for that write and shares its outcome.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 
 __all__ = ["SingleFlight"]
 
@@ -17,28 +16,35 @@ class SingleFlight:
     """The keys being written by calls in flight, each with its outcome to come (one loop)."""
 
     def __init__(self) -> None:
-        self._outcomes: dict[bytes, asyncio.Future[bool]] = {}
+        self._in_flight: dict[bytes, asyncio.Future[bool]] = {}
 
-    def shared(self, keys: Sequence[bytes]) -> dict[int, asyncio.Future[bool]]:
-        """The positions in `keys` of those another call is writing, with their outcomes."""
-        return {i: self._outcomes[key] for i, key in enumerate(keys) if key in self._outcomes}
+    async def write(
+        self, keys: Sequence[bytes], write: Callable[[list[int]], Awaitable[list[bool]]]
+    ) -> tuple[list[bool], int]:
+        """Each key's outcome, each key written once.
 
-    @contextmanager
-    def writing(self, keys: Sequence[bytes], results: list[bool]) -> Iterator[None]:
-        """This call writes `keys`: until it leaves the block, other calls share its writes, and
-        then each gets the matching entry of `results` (False where the block raised early)."""
+        `write(positions)` writes the keys at `positions` (those no other call is writing)
+        and returns their outcomes in order; until it returns, other calls share these
+        writes. The other keys wait for the writes in flight and share their outcomes.
+        Returns the outcomes by position and how many were shared.
+        """
+        shared = {i: self._in_flight[key] for i, key in enumerate(keys) if key in self._in_flight}
+        own = [i for i in range(len(keys)) if i not in shared]
         loop = asyncio.get_running_loop()
-        outcomes = [loop.create_future() for _ in keys]
-        self._outcomes.update(zip(keys, outcomes))
+        outcomes = [loop.create_future() for _ in own]
+        self._in_flight.update(zip((keys[i] for i in own), outcomes))
+        written = [False] * len(own)  # False where `write` raised
         try:
-            yield
+            written = await write(own)
         finally:
-            for key, outcome, ok in zip(keys, outcomes, results):
+            for i, outcome, ok in zip(own, outcomes, written):
                 outcome.set_result(ok)
-                del self._outcomes[key]
-
-    @staticmethod
-    async def outcomes(shared: dict[int, asyncio.Future[bool]]) -> dict[int, bool]:
-        """Wait for the writes `shared` names; their outcomes by position."""
-        await asyncio.wait(set(shared.values()))
-        return {i: outcome.result() for i, outcome in shared.items()}
+                del self._in_flight[keys[i]]
+        results = [False] * len(keys)
+        for i, ok in zip(own, written):
+            results[i] = ok
+        if shared:
+            await asyncio.wait(set(shared.values()))
+            for i, outcome in shared.items():
+                results[i] = outcome.result()
+        return results, len(shared)

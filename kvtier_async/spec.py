@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidArgumentError
 
 __all__ = ["ALIGNMENT", "VLLM_SERIES", "OffloadingSpec", "SchedulerLimits", "vllm_namespace"]
 
@@ -145,6 +145,24 @@ class OffloadingSpec:
     def primary_nbytes(self) -> int:
         """Bytes of host memory the primary tier takes."""
         return self.num_cpu_blocks * self.block_stride
+
+    def primary_view(self, buffer: Any) -> memoryview:
+        """`buffer` as this spec's primary memory: a writable byte view of at least
+        `primary_nbytes` bytes. Raises `InvalidArgumentError` for anything else."""
+        try:
+            view = memoryview(buffer).cast("B")
+        except TypeError as exc:
+            raise InvalidArgumentError(
+                f"primary_kv_view must be a C-contiguous writable buffer: {exc}"
+            ) from exc
+        if view.readonly:
+            raise InvalidArgumentError("primary_kv_view must be writable")
+        if view.nbytes < self.primary_nbytes:
+            raise InvalidArgumentError(
+                f"primary_kv_view has {view.nbytes} bytes; the spec needs "
+                f"num_cpu_blocks * block_stride = {self.primary_nbytes}"
+            )
+        return view
 
     @property
     def limits(self) -> SchedulerLimits:

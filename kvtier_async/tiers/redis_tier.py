@@ -53,7 +53,8 @@ from ..coalesce import Coalescer
 from ..errors import ConfigError
 from ..server_gate import ServerGate
 from ..spec import OffloadingSpec
-from ..tier import INLINE_CPU_BYTES, SecondaryTierManager
+from ..tier import SecondaryTierManager
+from ..tier_resource import INLINE_CPU_BYTES
 from .redis_direct import SOCKET_BUFFER_BYTES, DirectConnections
 
 __all__ = ["RedisTier"]
