@@ -31,7 +31,7 @@ from .layout import (
     try_flock,
 )
 
-__all__ = ["DEFAULT_CAPACITY_BYTES", "SlabFiles", "probe_direct_io"]
+__all__ = ["DEFAULT_CAPACITY_BYTES", "SlabFiles", "close_fd", "probe_direct_io"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 DEFAULT_CAPACITY_BYTES = 64 << 30
 SLAB_TARGET_BYTES = 256 << 20  # records per slab file, at most
 MIN_SLABS = 16  # a namespace has at least this many slabs (if it holds that many records)
+
+
+def close_fd(fd: int | None) -> None:
+    """Close a descriptor the index let go of (None: it let go of none)."""
+    if fd is not None:
+        os.close(fd)
 
 
 def probe_direct_io(directory: Path) -> bool:

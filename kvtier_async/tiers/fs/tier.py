@@ -4,21 +4,20 @@ self-verifying, persistent across restarts.
 Blocks live as bare records in slab files (`layout` has the format and how processes
 share a directory). This module wires the tier contract to the package's rooms: the
 index of what is where (`index.SlabIndex`, event-loop thread, no I/O), the slab files as
-found on disk (`slab_files.SlabFiles`: opening, claiming, following the other processes'
+found on disk (`slab_files.SlabFiles`: opening, claiming, reading the other processes'
 logs) and the records' reads and writes (`records.RecordIO`: one `pwritev`/`preadv` per run
 of neighbouring records, straight between the aligned primary slots and the files with
-O_DIRECT where the file system allows it), both on the scheduler's worker threads. The
-index holds the slabs this process writes, plus what it has read of the other slabs'
-logs, brought up to date when a lookup misses (at most every `refresh_interval_s`).
+O_DIRECT where the file system allows it), both on the scheduler's worker threads; where a
+store's next record comes from (`room.Room`). The index holds the slabs this process
+writes, plus what it has read of the other slabs' logs, brought up to date when a lookup
+misses (`following.Following`, at most every `refresh_interval_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,31 +27,19 @@ from ...keys import check_keys
 from ...spec import OffloadingSpec
 from ...tier import SecondaryTierManager
 from ...workers import wait_uncancellable
+from .following import Following
 from .index import OtherSlab, OwnSlab, Record, SlabIndex
 from .layout import ENTRY, namespace_dir_name, record_bytes_for
 from .records import ReadJob, RecordIO, WriteJob
 from .room import Room
-from .slab_files import DEFAULT_CAPACITY_BYTES, SlabFiles
+from .slab_files import DEFAULT_CAPACITY_BYTES, SlabFiles, close_fd
 from .staging import STAGE_BYTES, address_of, pages_scattered
 
 __all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_REFRESH_INTERVAL_S", "FileSystemTier"]
 
-log = logging.getLogger(__name__)
 
 #: Default `refresh_interval_s`: how stale this process's view of other processes' blocks may be.
 DEFAULT_REFRESH_INTERVAL_S = 0.05
-
-
-def _retrieve_exception(task: asyncio.Future[None]) -> None:
-    """Done-callback of a shared task: its exception is its awaiters' to handle, not an
-    "exception was never retrieved" at exit when none was left."""
-    if not task.cancelled():
-        task.exception()
-
-
-def _close(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)
 
 
 class FileSystemTier(SecondaryTierManager):
@@ -134,8 +121,7 @@ class FileSystemTier(SecondaryTierManager):
         self.index = SlabIndex(self.record_bytes)  # touched on the event-loop thread only
         self.records = RecordIO(self.files, self.primary_kv_view, self.index.own, self.fault_log)
         self.room = Room(self.index, self.files, self.counters, self.fault_log)
-        self._refreshing: asyncio.Future[None] | None = None
-        self._last_refresh = float("-inf")
+        self.following = Following(self.index, self.files, self.room, self.refresh_interval_s)
 
     @property
     def capacity_bytes(self) -> int:
@@ -160,9 +146,9 @@ class FileSystemTier(SecondaryTierManager):
     # -- opening and closing -------------------------------------------------------------------
     async def open_backend(self) -> None:
         self.files.name = self.name
-        self.room.run_blocking = self.scheduler.run_blocking
+        self.room.run_blocking = self.following.run_blocking = self.scheduler.run_blocking
         await self.run_blocking(self._open_files)
-        await self._refresh_now()
+        await self.following.refresh()
 
     def _open_files(self) -> None:
         """Worker thread: open the namespace's files, make the staging buffers if staging, and
@@ -186,7 +172,7 @@ class FileSystemTier(SecondaryTierManager):
     async def close_backend(self) -> None:
         # A claim or refresh whose callers were cancelled still runs: let it settle first, so
         # that what it opened is closed here.
-        pending = [task for task in (self.room.claiming, self._refreshing) if task is not None]
+        pending = [task for task in (self.room.claiming, self.following.refreshing) if task is not None]
         if pending:
             await asyncio.wait(pending)
         own, others = list(self.index.own.values()), list(self.index.others.values())
@@ -195,7 +181,7 @@ class FileSystemTier(SecondaryTierManager):
         await self.run_blocking(SlabFiles.close, own, others)
         await self.run_blocking(self.records.stager.release)
 
-    # -- following the other processes ---------------------------------------------------------
+    # -- the other processes' blocks ------------------------------------------------------------
     async def refresh(self) -> None:
         """Read the index entries other processes have written since the last refresh.
 
@@ -204,49 +190,7 @@ class FileSystemTier(SecondaryTierManager):
         """
         with self._operation():
             if await self._ensure_open():
-                await self._refresh_now()
-
-    async def _refresh_now(self) -> None:
-        if self._refreshing is None:
-            # Its own task: a caller cancelled meanwhile never leaves news (and open files) unapplied.
-            self._refreshing = asyncio.ensure_future(self._refresh_task())
-            self._refreshing.add_done_callback(_retrieve_exception)
-        await asyncio.shield(self._refreshing)
-
-    async def _refresh_task(self) -> None:
-        index = self.index
-        try:
-            known = {slab: (o.log_inode, o.log_offset) for slab, o in index.others.items()}
-            news, gone, removed = await self.run_blocking(self.files.read_news, known, dict(index.own))
-            newly_removed = [slab for slab in removed if not index.own[slab].removed]
-            if newly_removed:
-                for slab in newly_removed:
-                    index.own[slab].removed = True
-                log.warning(
-                    "fs tier %r: the files of slabs %s, which this process writes, were removed "
-                    "under it; it keeps using them until it exits (their space is freed then, and "
-                    "other processes' new slabs of those numbers stay unseen here until then). "
-                    "Clear a root in use with `kvtier fs gc`, not by removing files",
-                    self.name,
-                    newly_removed,
-                )
-            for slab in gone:
-                _close(index.forget_other(slab))
-            for item in news:
-                _close(index.apply_news(item))
-            self._last_refresh = time.monotonic()
-            await self.room.refreshed()
-        finally:
-            # Cleared by the task itself, not by a done-callback that runs later: meanwhile a
-            # caller would get the finished task back and not read the news it asked for.
-            self._refreshing = None
-
-    async def _refresh_if_missing(self, keys: Sequence[bytes]) -> None:
-        """Refresh when a key is unknown and the last refresh is older than the interval."""
-        if time.monotonic() - self._last_refresh < self.refresh_interval_s:
-            return
-        if any(key not in self.index.where for key in keys):
-            await self._refresh_now()
+                await self.following.refresh()
 
     def _slot_offset(self, block: memoryview) -> int:
         return address_of(block) - self._primary_base
@@ -303,7 +247,7 @@ class FileSystemTier(SecondaryTierManager):
 
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
-        await self._refresh_if_missing(keys)
+        await self.following.refresh_if_missing(keys)
         index = self.index
         jobs: list[tuple[int, bytes, Record, OwnSlab | OtherSlab]] = []
         for i, key in enumerate(keys):
@@ -322,7 +266,7 @@ class FileSystemTier(SecondaryTierManager):
             outcome = await self.scheduler.run_cpu(self.records.verify, work, got)
         finally:
             for _, _, where, slab in jobs:
-                _close(index.unpin(where, slab))
+                close_fd(index.unpin(where, slab))
         corrupt = []
         for (i, key, where, _), status in zip(jobs, outcome):
             if status == "ok":
@@ -358,7 +302,7 @@ class FileSystemTier(SecondaryTierManager):
         # docstring inherited
         if not await self._ensure_open():
             return [False] * len(keys)
-        await self._refresh_if_missing(keys)
+        await self.following.refresh_if_missing(keys)
         return [key in self.index.where for key in keys]
 
     async def delete(self, keys: Sequence[bytes]) -> int:
