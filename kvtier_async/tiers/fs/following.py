@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from .index import SlabIndex
 from .room import Room
@@ -41,9 +40,6 @@ class Following:
         self.files = files
         self.room = room
         self.interval_s = interval_s
-        #: The worker threads' `run_blocking`, set when the tier opens (a scheduler's: a bound
-        #: method of the tier here would be a reference cycle).
-        self.run_blocking: Callable[..., Awaitable[Any]] | None = None
         #: The refresh running now, if one is.
         self.refreshing: asyncio.Future[None] | None = None
         self._last_refresh = float("-inf")
@@ -65,10 +61,8 @@ class Following:
     async def _refresh_task(self) -> None:
         index = self.index
         try:
-            if self.run_blocking is None:
-                raise RuntimeError("fs tier: refreshing before the tier opened")
             known = {slab: (o.log_inode, o.log_offset) for slab, o in index.others.items()}
-            news, gone, removed = await self.run_blocking(self.files.read_news, known, dict(index.own))
+            news, gone, removed = await self.files.off_loop(self.files.read_news, known, dict(index.own))
             newly_removed = [slab for slab in removed if not index.own[slab].removed]
             if newly_removed:
                 for slab in newly_removed:

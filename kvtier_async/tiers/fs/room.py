@@ -13,8 +13,6 @@ import asyncio
 import logging
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
 
 from ...fault_log import FaultLog
 from .index import Claim, Record, SlabIndex
@@ -23,7 +21,6 @@ from .slab_files import SlabFiles
 __all__ = ["Room"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class Room:
@@ -36,9 +33,6 @@ class Room:
         self.files = files
         self.counters = counters
         self.fault_log = fault_log
-        #: The worker threads' `run_blocking`, set when the tier opens (a scheduler's: a bound
-        #: method of the tier here would be a reference cycle).
-        self.run_blocking: Callable[..., Awaitable[Any]] | None = None
         #: Fewer free records left than this, and the next slab is claimed in the background.
         self.claim_ahead_records = 0
         self.can_claim = True  # False until a refresh once no slab could be claimed
@@ -69,11 +63,6 @@ class Room:
         self.counters["evictions"] += 1
         return where, deletion, key
 
-    def _blocking(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
-        if self.run_blocking is None:
-            raise RuntimeError("fs tier: claiming before the tier opened")
-        return self.run_blocking(fn, *args)
-
     def _may_claim(self) -> bool:
         return self.can_claim and (self.may_create or bool(self.index.adoptable()))
 
@@ -87,7 +76,7 @@ class Room:
         """Claim a slab; never raises but for cancellation (a failure is logged and counted)."""
         try:
             own, adoptable = set(self.index.own), self.index.adoptable()
-            claim = await self._blocking(self.files.claim, own, self.may_create, adoptable)
+            claim = await self.files.off_loop(self.files.claim, own, self.may_create, adoptable)
             if claim is None:
                 self.may_create = False  # every number below the capacity is taken
                 self.can_claim = False  # until the next refresh: a writer may exit meanwhile
@@ -99,7 +88,7 @@ class Room:
             if claim.state.records:
                 self.take_claim(claim)
             else:  # not a record's room left on the disk
-                await self._blocking(SlabFiles.close, [claim.state], [])
+                await self.files.off_loop(SlabFiles.close, [claim.state], [])
         except BaseException as exc:
             self.can_claim = False  # until the next refresh: no retry storm on a failing disk
             if isinstance(exc, asyncio.CancelledError):
@@ -129,7 +118,7 @@ class Room:
     async def refreshed(self) -> None:
         """After a refresh: claim again (a writer may have exited, leaving its slabs), and once
         the disk has room for a whole slab again, from the disk too."""
-        if self.disk_full and await self._blocking(self.files.room_for_a_slab):
+        if self.disk_full and await self.files.off_loop(self.files.room_for_a_slab):
             # A long-running server must not stay shrunk once the space comes back (an
             # operator's `kvtier fs gc`, another program's files removed).
             log.info("fs tier %r: the disk has room again; claiming slabs", self.files.name)

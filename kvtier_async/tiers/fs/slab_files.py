@@ -3,7 +3,8 @@
 Opening the namespace (O_DIRECT probed, capacity sized into slabs), claiming a slab to
 write (a new one below the capacity, or one whose writer has exited, its whole file
 allocated at once), reading the other processes' new log entries, and closing. Every method
-runs on a worker thread and returns what it found; `SlabIndex` takes it in on the loop.
+runs on a worker thread (`off_loop` hands one there) and returns what it found; `SlabIndex`
+takes it in on the loop.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import mmap
 import os
 import shutil
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ...errors import KVTierError
 from .index import Claim, LogNews, OtherSlab, OwnSlab
@@ -34,6 +37,7 @@ from .layout import (
 __all__ = ["DEFAULT_CAPACITY_BYTES", "SlabFiles", "close_fd", "probe_direct_io"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Default `capacity_bytes`: 64 GiB, but never more than 80% of what the file
 #: system can give us (free space plus what this namespace already holds).
@@ -96,6 +100,15 @@ class SlabFiles:
         self.capacity_bytes = 0
         self.slab_records = 1
         self.max_slabs = 0
+        #: The worker threads' `run_blocking`, set when the tier opens (a scheduler's: a bound
+        #: method of the tier here would be a reference cycle).
+        self.run_blocking: Callable[..., Awaitable[Any]] | None = None
+
+    def off_loop(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Run `fn(*args)`, one of these methods, on the worker threads (from the loop)."""
+        if self.run_blocking is None:
+            raise RuntimeError("fs tier: file work before the tier opened")
+        return self.run_blocking(fn, *args)
 
     def path(self, slab: int, kind: str) -> Path:
         """A slab's data ("kvs") or log ("idx") file."""

@@ -146,7 +146,7 @@ class FileSystemTier(SecondaryTierManager):
     # -- opening and closing -------------------------------------------------------------------
     async def open_backend(self) -> None:
         self.files.name = self.name
-        self.room.run_blocking = self.following.run_blocking = self.scheduler.run_blocking
+        self.files.run_blocking = self.scheduler.run_blocking
         await self.run_blocking(self._open_files)
         await self.following.refresh()
 
