@@ -33,6 +33,15 @@ def test_a_key_being_stored_waits_for_the_outcome() -> None:
     assert answers.answer(b"k") is None and answers.take_unasked() == [b"k"]  # failed: asked about
 
 
+def test_queued_keys_dropped_leave_nothing_pending() -> None:
+    answers = LookupAnswers(known_limit=8, batch=4)
+    answers.answer(b"a")
+    assert answers.pending
+    answers.drop_unasked()
+    assert not answers.pending and answers.take_unasked() == []
+    assert answers.answer(b"a") is None and answers.take_unasked() == [b"a"]  # queued afresh
+
+
 def test_a_full_batch_is_reported_and_forgotten_keys_are_asked_again() -> None:
     answers = LookupAnswers(known_limit=2, batch=2)
     answers.answer(b"a")

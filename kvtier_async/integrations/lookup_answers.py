@@ -72,6 +72,11 @@ class LookupAnswers:
             self.checks_in_flight += 1
         return keys
 
+    def drop_unasked(self) -> None:
+        """Forget the keys queued for a check that will never be sent."""
+        self._asking.difference_update(self._unasked)
+        self._unasked = []
+
     def answered(self, keys: list[bytes], present: list[bool]) -> None:
         self.checks_in_flight -= 1
         for key, found in zip(keys, present):

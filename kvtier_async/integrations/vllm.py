@@ -179,7 +179,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     def _send_checks(self) -> None:
         with self._lock:
-            if self._closed or not (keys := self._lookups.take_unasked()):
+            if self._closed:  # shut down: no check will be sent, none is pending
+                self._lookups.drop_unasked()
+                return
+            if not (keys := self._lookups.take_unasked()):
                 return
         self._bridge.call_soon(self._start_check, keys)
 
