@@ -208,7 +208,10 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         try:
             cut = parts(objects)
             # The parts run at once: one part's copies overlap the others' writes.
-            work = [self._in_part(nbytes, part, keys, objects, store=True) for nbytes, part in cut]
+            work = [
+                self._sizes.store(nbytes, [object_key(keys[i]) for i in part], [objects[i] for i in part])
+                for nbytes, part in cut
+            ]
             outcomes = await asyncio.gather(*work, return_exceptions=True)
             ok = True
             for (_, part), outcome in zip(cut, outcomes):
@@ -227,15 +230,6 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             if stored:
                 self._notify_keys_stored([keys[i] for i in stored], sizes)
             self._store_fd.notify()
-
-    async def _in_part(
-        self, nbytes: int, part: list[int], keys: list[Any], objects: list[Any], *, store: bool
-    ) -> list[Any]:
-        """Store (each object's "new" / "held" / "failed") or load (each True where exact) one part."""
-        size_class = await self._sizes.get(nbytes)
-        names = [object_key(keys[i]) for i in part]
-        moved = [objects[i] for i in part]
-        return await (size_class.store(names, moved) if store else size_class.load(names, moved))
 
     async def _lookup(self, task_id: L2TaskId, keys: list[Any], sizes: list[int]) -> None:
         bitmap = Bitmap(len(keys))
@@ -289,7 +283,10 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         try:
             cut = parts(objects)
             outcomes = await asyncio.gather(
-                *(self._in_part(nbytes, part, keys, objects, store=False) for nbytes, part in cut),
+                *(
+                    self._sizes.load(nbytes, [object_key(keys[i]) for i in part], [objects[i] for i in part])
+                    for nbytes, part in cut
+                ),
                 return_exceptions=True,
             )
             for (_, part), outcome in zip(cut, outcomes):

@@ -156,6 +156,14 @@ class SizeClasses:
             if opening.done():
                 self._opening.pop(nbytes, None)
 
+    async def store(self, nbytes: int, names: list[bytes], objects: list[Any]) -> list[str]:
+        """Store objects of `nbytes` under `names` (`SizeClass.store`)."""
+        return await (await self.get(nbytes)).store(names, objects)
+
+    async def load(self, nbytes: int, names: list[bytes], objects: list[Any]) -> list[bool]:
+        """Load `names` into objects of `nbytes` (`SizeClass.load`)."""
+        return await (await self.get(nbytes)).load(names, objects)
+
     async def _open(self, nbytes: int) -> SizeClass:
         stride = -(-nbytes // 4096) * 4096
         slots = max(1, min(MAX_SLOTS, self.staging_bytes // stride))
