@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from typing import TypeVar
 
 import anyio
 
@@ -25,21 +26,23 @@ from .scheduler import Lane, Priority, Scheduler
 
 __all__ = ["run_in_batches"]
 
+Block = TypeVar("Block")
+
 
 async def run_in_batches(
     scheduler: Scheduler,
     lane: Lane,
     priority: Priority,
-    call: Callable[[list[bytes], list[int]], Awaitable[list[bool]]],
+    call: Callable[[list[bytes], list[Block]], Awaitable[list[bool]]],
     keys: list[bytes],
-    ids: list[int],
+    blocks: list[Block],
     results: list[bool],
     *,
     batch: int,
     block_nbytes: int,
     pending: bool = False,
 ) -> None:
-    """`call(keys, ids)` per batch; its outcomes into `results` at the batch's positions.
+    """`call(keys, blocks)` per batch; its outcomes into `results` at the batch's positions.
 
     With `pending`, the blocks hold pending room in `lane`, given back batch by batch.
     """
@@ -54,7 +57,7 @@ async def run_in_batches(
                     lane.release_pending(n)
                     admitted = True
                 async with scheduler.bytes_in_flight.place(priority, n * block_nbytes):
-                    results[start : start + n] = await call(part_keys, ids[start : start + batch])
+                    results[start : start + n] = await call(part_keys, blocks[start : start + batch])
         finally:
             if pending and not admitted:
                 lane.release_pending(n)

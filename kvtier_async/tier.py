@@ -6,7 +6,9 @@ its own base's (`tier_resource.TierResource`). A backend writes four batched
 hooks (`write_blocks`, `read_blocks`, `contains`, `delete`) and, if it needs
 them, `open_backend` / `close_backend` / `backend_stats`.
 
-Block `i` of the primary tier is `primary_kv_view[i*stride : i*stride + block_nbytes]`.
+Block `i` of the primary tier is `primary_kv_view[i*stride : i*stride + block_nbytes]`;
+`store_views` / `load_views` take blocks anywhere in that memory instead, by their views
+(an engine whose allocator places blocks at any aligned offset: LMCache's L1 arena).
 When `store` or `load` returns or raises (cancellation included), nothing in the
 background touches those primary slots any more: backends finish or abandon
 their use of the buffers before their hook returns, and worker-thread work is
@@ -20,11 +22,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 from .batches import run_in_batches
+from .buffers import address_of
 from .errors import InvalidArgumentError
 from .keys import check_block_ids, check_keys, check_lengths
 from .scheduler import Lane, Priority
 from .single_flight import SingleFlight
-from .spec import OffloadingSpec
+from .spec import ALIGNMENT, OffloadingSpec
 from .tier_resource import TierResource
 
 __all__ = ["SecondaryTierManager"]
@@ -129,6 +132,17 @@ class SecondaryTierManager(TierResource):
         of the write in flight.
         """
         keys, ids = self._check_args(keys, block_ids)
+        return await self._store_checked(keys, [self.block_view(i) for i in ids])
+
+    async def store_views(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]:
+        """`store`, the blocks given by their bytes: each a C-contiguous buffer of
+        `block_nbytes` bytes inside the primary memory, at a multiple of 4096 bytes from its
+        start (`block_nbytes` must be a multiple of 4096 too). Nothing is copied on the way.
+        """
+        keys, views = self._check_views(keys, blocks, writable=False)
+        return await self._store_checked(keys, views)
+
+    async def _store_checked(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         results = [False] * len(keys)
         if not keys:
             return results
@@ -140,7 +154,7 @@ class SecondaryTierManager(TierResource):
 
             async def write(own: list[int]) -> list[bool]:
                 lane.release_pending(accepted - len(own))  # the others share writes in flight
-                return await self._write_new(lane, [keys[i] for i in own], [ids[i] for i in own])
+                return await self._write_new(lane, [keys[i] for i in own], [views[i] for i in own])
 
             # A key this tier is writing right now is not written again: this call shares the
             # outcome of the write in flight.
@@ -148,7 +162,7 @@ class SecondaryTierManager(TierResource):
             self.counters["stores_deduplicated"] += shared
         return results
 
-    async def _write_new(self, lane: Lane, keys: list[bytes], ids: list[int]) -> list[bool]:
+    async def _write_new(self, lane: Lane, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         """Write the keys this call owns (their pending room reserved); held ones are skipped."""
         results = [False] * len(keys)
         reserved = len(keys)
@@ -174,7 +188,7 @@ class SecondaryTierManager(TierResource):
                 Priority.STORE,
                 self.write_blocks,
                 [keys[i] for i in todo],
-                [ids[i] for i in todo],
+                [views[i] for i in todo],
                 written,
                 pending=True,
             )
@@ -198,6 +212,18 @@ class SecondaryTierManager(TierResource):
     ) -> list[bool]:
         """Read `keys` into primary slots `block_ids`; True only where the exact bytes arrived."""
         keys, ids = self._check_args(keys, block_ids)
+        return await self._load_checked(keys, [self.block_view(i) for i in ids], priority)
+
+    async def load_views(
+        self, keys: Sequence[bytes], blocks: Sequence[Any], *, priority: Priority = Priority.LOAD
+    ) -> list[bool]:
+        """`load` into blocks given by their bytes, as `store_views` takes them (writable)."""
+        keys, views = self._check_views(keys, blocks, writable=True)
+        return await self._load_checked(keys, views, priority)
+
+    async def _load_checked(
+        self, keys: list[bytes], views: list[memoryview], priority: Priority
+    ) -> list[bool]:
         results = [False] * len(keys)
         if not keys:
             return results
@@ -207,7 +233,7 @@ class SecondaryTierManager(TierResource):
                 return results
             lane = self.scheduler.lane(self.name, "load")
             self.counters["load_calls"] += 1
-            await self._run_batches(lane, priority, self.read_blocks, keys, ids, results)
+            await self._run_batches(lane, priority, self.read_blocks, keys, views, results)
             hits = sum(results)
             self.counters["load_hits"] += hits
             self.counters["load_misses"] += len(keys) - hits
@@ -259,6 +285,15 @@ class SecondaryTierManager(TierResource):
         out.update(self.backend_stats())
         return out
 
+    def primary_offset(self, block: Any) -> int | None:
+        """Where `store_views` / `load_views` find `block` (a C-contiguous buffer): its offset in
+        the primary memory, a multiple of 4096 with `block_nbytes` bytes to the memory's end;
+        None if it is not so placed."""
+        offset = address_of(block) - address_of(self.primary_kv_view)
+        if 0 <= offset <= self.primary_kv_view.nbytes - self.block_nbytes and offset % ALIGNMENT == 0:
+            return offset
+        return None
+
     # -- internals ---------------------------------------------------------------------------
     def _check_args(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
         if isinstance(keys, (bytes, str)):
@@ -269,22 +304,56 @@ class SecondaryTierManager(TierResource):
         self._check_not_closed()
         return list(keys), ids
 
+    def _check_views(
+        self, keys: Sequence[bytes], blocks: Sequence[Any], *, writable: bool
+    ) -> tuple[list[bytes], list[memoryview]]:
+        """The primary memory's views of `blocks` (see `store_views`); raises `InvalidArgumentError`."""
+        if isinstance(keys, (bytes, str)):
+            raise InvalidArgumentError("keys must be a sequence of bytes, not a single key")
+        check_keys(keys)
+        if isinstance(blocks, (bytes, bytearray, memoryview, str)) or not isinstance(blocks, Sequence):
+            raise InvalidArgumentError(f"blocks must be a sequence of buffers, got {type(blocks).__name__}")
+        check_lengths(keys, blocks)
+        self._check_not_closed()
+        if blocks and self.block_nbytes % ALIGNMENT:
+            raise InvalidArgumentError(
+                f"blocks by view need block_nbytes a multiple of {ALIGNMENT}, got {self.block_nbytes}"
+            )
+        offsets = []
+        for i, block in enumerate(blocks):
+            try:
+                view = memoryview(block).cast("B")
+            except TypeError as exc:
+                raise InvalidArgumentError(f"blocks[{i}] must be a C-contiguous buffer: {exc}") from exc
+            if view.nbytes != self.block_nbytes:
+                raise InvalidArgumentError(f"blocks[{i}] has {view.nbytes} bytes, not {self.block_nbytes}")
+            if writable and view.readonly:
+                raise InvalidArgumentError(f"blocks[{i}] is read-only")
+            offset = self.primary_offset(view)
+            if offset is None:
+                raise InvalidArgumentError(
+                    f"blocks[{i}] is not at a multiple of {ALIGNMENT} bytes inside the primary memory"
+                )
+            offsets.append(offset)
+        if writable and len(set(offsets)) != len(offsets):
+            raise InvalidArgumentError("blocks must not repeat within one load")
+        return list(keys), [self.primary_kv_view[o : o + self.block_nbytes] for o in offsets]
+
     async def _run_batches(
         self,
         lane: Lane,
         priority: Priority,
         hook: Callable[[Sequence[bytes], Sequence[memoryview]], Awaitable[list[bool]]],
         keys: list[bytes],
-        ids: list[int],
+        views: list[memoryview],
         results: list[bool],
         *,
         pending: bool = False,
     ) -> None:
         """The call as batches (`batches.run_in_batches`), each one guarded hook call."""
 
-        def call(part_keys: list[bytes], part_ids: list[int]) -> Awaitable[list[bool]]:
-            views = [self.block_view(i) for i in part_ids]
-            return self._guard.call(hook.__name__, hook(part_keys, views), len(part_keys), priority)
+        def call(part_keys: list[bytes], part_views: list[memoryview]) -> Awaitable[list[bool]]:
+            return self._guard.call(hook.__name__, hook(part_keys, part_views), len(part_keys), priority)
 
         batch, nbytes = self.offloading_spec.limits.batch_blocks, self.block_nbytes
         await run_in_batches(
@@ -293,7 +362,7 @@ class SecondaryTierManager(TierResource):
             priority,
             call,
             keys,
-            ids,
+            views,
             results,
             batch=batch,
             block_nbytes=nbytes,
