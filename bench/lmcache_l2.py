@@ -9,7 +9,8 @@ its own, on a new directory of the same disk, in rounds that alternate which goe
 the same arguments: 4096-byte aligned L1 buffers of random data, `--in-flight 2`, 32 keys a
 submit (8 at 32 MiB), round-trip verification on. LMCache's adapter runs with `use_odirect` on,
 as ours does by default: neither side's load is served from the page cache its store filled.
-Ours runs at its defaults (checksums on, each chunk copied through a staging slot). The
+Ours runs at its defaults (checksums on, each chunk written from and read into the L1 buffer
+that `lmcache bench l2` describes to adapters, as LMCache's server does). The
 ratios are kvtier / LMCache, round by round; the table shows their medians.
 """
 

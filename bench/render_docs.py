@@ -476,8 +476,9 @@ def lmcache_l2_section() -> list[str]:
     lines = [
         "## LMCache: the L2 adapter",
         "",
-        "`KVTierL2Adapter` (the fs tier at its defaults, checksums on, each chunk copied through a",
-        "staging slot) against LMCache 0.5.6's own `fs` L2 adapter with `use_odirect` on, both run",
+        "`KVTierL2Adapter` (the fs tier at its defaults, checksums on, each chunk written from and",
+        "read into LMCache's L1 memory) against LMCache 0.5.6's own `fs` L2 adapter with",
+        "`use_odirect` on, both run",
         "by LMCache's own `lmcache bench l2` (a producer thread submitting store, lookup and load",
         "tasks, two in flight, and waiting on the adapter's event fds), each in a process of its",
         "own on a new directory of the same disk, with the same arguments and round-trip",
@@ -499,11 +500,12 @@ def lmcache_l2_section() -> list[str]:
         )
     lines += [
         "",
-        "LMCache's adapter writes each chunk from LMCache's memory straight to its file; ours copies",
-        "it into a staging slot first (LMCache hands adapters objects of any size anywhere in its",
-        "memory, and a kvtier tier moves fixed-size blocks of its own primary memory), then writes",
-        "it with its checksum; the figures include that copy. The adapter runs its tiers with 8",
-        "I/O threads unless told otherwise, so that writes stay in flight while copies run.",
+        "Both adapters move each chunk between LMCache's L1 memory and the disk with no copy of",
+        "their own: LMCache describes its L1 arena to its adapters, and ours runs a kvtier tier per",
+        "chunk size over that arena (`store_views` / `load_views`), a chunk stored with its",
+        "checksum and verified on every load. Where the L1 pages lie scattered in physical memory,",
+        "the fs tier's O_DIRECT goes through its huge-page staging buffers (see the fs section).",
+        "The adapter runs its tiers with 8 I/O threads unless told otherwise.",
         "",
     ]
     return lines

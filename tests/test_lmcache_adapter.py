@@ -23,6 +23,7 @@ if os.environ.get("KVTIER_REQUIRE_SERVERS") != "1":  # CI installs LMCache and n
 
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.distributed.l2_adapters.config import (
     add_l2_adapters_args,
     parse_args_to_l2_adapters_config,
@@ -63,9 +64,10 @@ def key(i: int, model: str = "org/model", salt: str = "") -> ObjectKey:
     return ObjectKey(chunk_hash=ObjectKey.IntHash2Bytes(i), model_name=model, kv_rank=0, cache_salt=salt)
 
 
-def chunk(nbytes: int = CHUNK, seed: int | None = None) -> TensorMemoryObj:
-    """A memory object as LMCache's allocators make them, filled with random bytes (or zeros)."""
-    raw = torch.zeros(nbytes, dtype=torch.uint8)
+def chunk(nbytes: int = CHUNK, seed: int | None = None, raw: torch.Tensor | None = None) -> TensorMemoryObj:
+    """A memory object as LMCache's allocators make them, filled with random bytes (or zeros);
+    in `raw` (a slice of an L1 arena) if given."""
+    raw = torch.zeros(nbytes, dtype=torch.uint8) if raw is None else raw.zero_()
     if seed is not None:
         raw.copy_(
             torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
@@ -184,6 +186,96 @@ def test_objects_of_several_sizes_in_one_task(fs: dict[str, Any]) -> None:
         assert store(adapter, keys, objects).is_successful()
         targets = [chunk(o.get_size()) for o in objects]
         assert load(adapter, keys, targets) == [True] * 42
+        assert all(same(a, b) for a, b in zip(objects, targets))
+    finally:
+        adapter.close()
+
+
+class Arena:
+    """An L1 arena as LMCache's server describes it to its adapters (`L1MemoryDesc`), and objects
+    allocated in it, 4096-aligned."""
+
+    def __init__(self, nbytes: int) -> None:
+        backing = torch.empty(nbytes + 4096, dtype=torch.uint8)
+        start = -backing.data_ptr() % 4096
+        self.memory = backing[start : start + nbytes]
+        self.desc = L1MemoryDesc(ptr=self.memory.data_ptr(), size=nbytes, align_bytes=4096)
+        self.used = 0
+
+    def chunk(self, nbytes: int = CHUNK, seed: int | None = None) -> TensorMemoryObj:
+        raw = self.memory[self.used : self.used + nbytes]
+        self.used += -(-nbytes // 4096) * 4096
+        return chunk(nbytes, seed, raw)
+
+
+def in_place_sizes(adapter: KVTierL2Adapter) -> dict[int, bool]:
+    return {size: t["in_place"] for size, t in adapter.report_status()["tiers_by_object_size"].items()}
+
+
+def test_objects_in_lmcaches_arena_move_in_place(fs: dict[str, Any]) -> None:
+    """Given LMCache's L1 arena, objects are stored from and loaded into their own bytes, byte-exact,
+    and a load writes nothing beside its objects; sizes off the 4096 grid still go through staging."""
+    arena = Arena(64 * CHUNK)
+    adapter = KVTierL2Adapter({"tier": fs}, l1_memory_desc=arena.desc)
+    try:
+        keys = [key(i) for i in range(9)]
+        objects = [arena.chunk(seed=i) for i in range(8)] + [arena.chunk(5000, seed=8)]
+        assert store(adapter, keys, objects).is_successful()
+        assert in_place_sizes(adapter) == {CHUNK: True, 5000: False}
+        targets = [arena.chunk() for _ in range(8)] + [arena.chunk(5000)]
+        marked = arena.memory[arena.used :]
+        marked.fill_(0xA5)  # what follows the targets must stay as it is
+        assert load(adapter, keys, targets) == [True] * 9
+        assert all(same(a, b) for a, b in zip(objects, targets))
+        assert bool((marked == 0xA5).all())
+        status = adapter.report_status()["tiers_by_object_size"][CHUNK]
+        assert status["stored_blocks"] == 8 and status["load_hits"] == 8
+    finally:
+        adapter.close()
+
+
+def test_an_object_outside_the_arena_fails_and_nothing_wrong_is_loaded(
+    fs: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    arena = Arena(8 * CHUNK)
+    adapter = KVTierL2Adapter({"tier": fs}, l1_memory_desc=arena.desc)
+    try:
+        inside, outside = arena.chunk(seed=1), chunk(seed=2)
+        result = store(adapter, [key(1), key(2)], [inside, outside])
+        assert not result.is_successful()
+        assert "outside LMCache's L1 arena" in caplog.text
+        assert lookup(adapter, [key(1), key(2)]) == [True, False]
+        adapter.submit_unlock([key(1)])
+        stray = chunk()
+        assert load(adapter, [key(1)], [stray]) == [False]
+        assert not stray.raw_tensor.any()
+        target = arena.chunk()
+        assert load(adapter, [key(1)], [target]) == [True] and same(inside, target)
+    finally:
+        adapter.close()
+
+
+def test_more_objects_in_flight_than_the_tier_takes_wait_instead_of_failing(fs: dict[str, Any]) -> None:
+    """Four tasks of 16 chunks at once against a tier that takes 4 blocks at a time (one I/O
+    thread, a pending budget of 4): every chunk is stored, none dropped."""
+    arena = Arena(128 * CHUNK)
+    adapter = KVTierL2Adapter(
+        {"tier": fs, "limits": {"io_threads": 1, "max_pending_stores": 4}}, l1_memory_desc=arena.desc
+    )
+    try:
+        keys = [key(i) for i in range(64)]
+        objects = [arena.chunk(seed=i) for i in range(64)]
+        tasks = [adapter.submit_store_task(keys[i : i + 16], objects[i : i + 16]) for i in range(0, 64, 16)]
+        results: dict[int, Any] = {}
+        while len(results) < len(tasks):
+            results.update(adapter.pop_completed_store_tasks())
+            if len(results) < len(tasks):
+                wait(adapter.get_store_event_fd())
+        assert all(results[t].is_successful() for t in tasks)
+        status = adapter.report_status()["tiers_by_object_size"][CHUNK]
+        assert status["stores_dropped"] == 0 and status["stored_blocks"] == 64
+        targets = [arena.chunk() for _ in range(64)]
+        assert load(adapter, keys, targets) == [True] * 64
         assert all(same(a, b) for a, b in zip(objects, targets))
     finally:
         adapter.close()

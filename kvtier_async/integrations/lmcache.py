@@ -20,9 +20,12 @@ drains the fd's counter once for many completions finds every result it was told
 about. `query_*` answer each task exactly once (None before it has ended).
 
 Objects and memory. LMCache's objects vary in size; a kvtier tier moves
-fixed-size blocks. The adapter keeps one tier per object size, each over a
-staging region of its own (`staging_mib`; `lmcache_objects`), and copies each
-object in or out of its staging slot on kvtier's worker threads.
+fixed-size blocks. The adapter keeps one tier per object size (`lmcache_objects`).
+Where LMCache describes its L1 arena (`l1_memory_desc`: its server and `lmcache
+bench l2` do) and the size is a multiple of 4096 bytes, that tier works on the
+arena itself: objects are written from and read into their own bytes. Otherwise
+the tier has a staging region of its own (`staging_mib`), and each object is
+copied in or out of its staging slot on kvtier's worker threads.
 
 Keys. An `ObjectKey` (chunk hash, model, KV rank, object group, cache salt)
 becomes one kvtier key, a BLAKE2b digest of all five fields: two models, ranks,
@@ -60,7 +63,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from ..errors import ClosedError, ConfigError
 from .bridge import LoopThread, engine_config, settle
-from .lmcache_objects import SizeClass, SizeClasses, check_objects, object_view, parts
+from .lmcache_objects import InPlace, SizeClass, SizeClasses, arena_view, check_objects, object_view, parts
 
 __all__ = ["KVTierL2Adapter"]
 
@@ -68,10 +71,10 @@ log = logging.getLogger(__name__)
 
 #: Default staging memory per object size, in MiB.
 STAGING_MIB = 256
-#: I/O threads per tier unless "limits" says otherwise: each chunk waits for its staging copy
-#: between LMCache's call and the tier's write, so the disk needs more requests in flight than
-#: the tier's own default (2 per core) keeps there. `bench/lmcache_l2.py`, 2 MiB chunks, 2 cores:
-#: stores 0.82x LMCache's fs adapter with 4 threads, 0.98x with 8.
+#: I/O threads per tier unless "limits" says otherwise. Chosen when every chunk went through a
+#: staging copy (`bench/lmcache_l2.py`, 2 MiB chunks, 2 cores: stores 0.82x LMCache's fs adapter
+#: with 4 threads, 0.98x with 8); moved in place, 3 rounds: 4 threads 0.96x / 1.32x (2 / 32 MiB
+#: stores), 1.23x / 1.10x loads; 8 threads 1.06x / 1.23x, 1.20x / 0.97x: no clear winner, kept.
 IO_THREADS = 8
 #: How long `close` lets tasks in flight finish before it cancels them.
 CLOSE_GRACE_S = 10.0
@@ -129,7 +132,8 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         self._store_fd = create_event_notifier()
         self._lookup_fd = create_event_notifier()
         self._load_fd = create_event_notifier()
-        self._sizes = SizeClasses(self.tier_config, self.limits, staging_mib << 20)  # loop thread only
+        arena = arena_view(l1_memory_desc)
+        self._sizes = SizeClasses(self.tier_config, self.limits, staging_mib << 20, arena)  # loop thread only
         self._bridge = LoopThread("kvtier-lmcache")
 
     # -- event fds ----------------------------------------------------------------------------------
@@ -342,7 +346,10 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         }
 
     async def _stats(self) -> dict[int, dict[str, Any]]:
-        return {size_class.nbytes: size_class.tier.stats() for size_class in self._sizes.opened()}
+        return {
+            size_class.nbytes: {**size_class.tier.stats(), "in_place": isinstance(size_class, InPlace)}
+            for size_class in self._sizes.opened()
+        }
 
     def close(self) -> None:
         """Let tasks in flight finish (cancel them after `CLOSE_GRACE_S`), close the tiers, stop the
