@@ -500,12 +500,13 @@ def lmcache_l2_section() -> list[str]:
         )
     lines += [
         "",
-        "Both adapters move each chunk between LMCache's L1 memory and the disk with no copy of",
-        "their own: LMCache describes its L1 arena to its adapters, and ours runs a kvtier tier per",
-        "chunk size over that arena (`store_views` / `load_views`), a chunk stored with its",
-        "checksum and verified on every load. Where the L1 pages lie scattered in physical memory,",
-        "the fs tier's O_DIRECT goes through its huge-page staging buffers (see the fs section).",
-        "The adapter runs its tiers with 8 I/O threads unless told otherwise.",
+        "Both adapters read and write LMCache's L1 memory itself: LMCache describes its L1 arena to",
+        "its adapters, and ours runs a kvtier tier per chunk size over that arena (`store_views` /",
+        "`load_views`), each chunk stored with its checksum and verified on every load. The",
+        "benchmark's L1 buffer has 4 KiB pages scattered in physical memory; LMCache's adapter does",
+        "its direct I/O into them, the fs tier through its huge-page staging buffers (a copy on the",
+        "I/O threads; see the fs section). The adapter runs its tiers with 8 I/O threads unless",
+        "told otherwise.",
         "",
     ]
     return lines
