@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ..buffers import copy_into
@@ -165,20 +165,23 @@ class InPlace(SizeClass):
     (LMCache's objects all lie there: it allocates them in the arena, aligned)."""
 
     async def write(self, places: list[int], names: list[bytes], objects: list[Any]) -> list[bool]:
-        inside = self._inside(objects)
-        results = [False] * len(names)
-        if inside:
-            views = [object_view(objects[j]) for j in inside]
-            for j, ok in zip(inside, await self.tier.store_views([names[j] for j in inside], views)):
-                results[j] = ok
-        return results
+        return await self._move(self.tier.store_views, names, objects)
 
     async def read(self, places: list[int], names: list[bytes], objects: list[Any]) -> list[bool]:
+        return await self._move(self.tier.load_views, names, objects)
+
+    async def _move(
+        self,
+        move: Callable[[list[bytes], list[memoryview]], Awaitable[list[bool]]],
+        names: list[bytes],
+        objects: list[Any],
+    ) -> list[bool]:
+        """`move` (the tier's `store_views` or `load_views`) of the objects inside the arena."""
         inside = self._inside(objects)
         results = [False] * len(names)
         if inside:
             views = [object_view(objects[j]) for j in inside]
-            for j, ok in zip(inside, await self.tier.load_views([names[j] for j in inside], views)):
+            for j, ok in zip(inside, await move([names[j] for j in inside], views)):
                 results[j] = ok
         return results
 
