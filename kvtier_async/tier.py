@@ -22,12 +22,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 from .batches import run_in_batches
-from .buffers import address_of
 from .errors import InvalidArgumentError
 from .keys import check_block_ids, check_keys, check_lengths
 from .scheduler import Lane, Priority
 from .single_flight import SingleFlight
-from .spec import ALIGNMENT, OffloadingSpec
+from .spec import OffloadingSpec
 from .tier_resource import TierResource
 
 __all__ = ["SecondaryTierManager"]
@@ -285,15 +284,6 @@ class SecondaryTierManager(TierResource):
         out.update(self.backend_stats())
         return out
 
-    def primary_offset(self, block: Any) -> int | None:
-        """Where `store_views` / `load_views` find `block` (a C-contiguous buffer): its offset in
-        the primary memory, a multiple of 4096 with `block_nbytes` bytes to the memory's end;
-        None if it is not so placed."""
-        offset = address_of(block) - address_of(self.primary_kv_view)
-        if 0 <= offset <= self.primary_kv_view.nbytes - self.block_nbytes and offset % ALIGNMENT == 0:
-            return offset
-        return None
-
     # -- internals ---------------------------------------------------------------------------
     def _check_args(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
         if isinstance(keys, (bytes, str)):
@@ -315,29 +305,7 @@ class SecondaryTierManager(TierResource):
             raise InvalidArgumentError(f"blocks must be a sequence of buffers, got {type(blocks).__name__}")
         check_lengths(keys, blocks)
         self._check_not_closed()
-        if blocks and self.block_nbytes % ALIGNMENT:
-            raise InvalidArgumentError(
-                f"blocks by view need block_nbytes a multiple of {ALIGNMENT}, got {self.block_nbytes}"
-            )
-        offsets = []
-        for i, block in enumerate(blocks):
-            try:
-                view = memoryview(block).cast("B")
-            except TypeError as exc:
-                raise InvalidArgumentError(f"blocks[{i}] must be a C-contiguous buffer: {exc}") from exc
-            if view.nbytes != self.block_nbytes:
-                raise InvalidArgumentError(f"blocks[{i}] has {view.nbytes} bytes, not {self.block_nbytes}")
-            if writable and view.readonly:
-                raise InvalidArgumentError(f"blocks[{i}] is read-only")
-            offset = self.primary_offset(view)
-            if offset is None:
-                raise InvalidArgumentError(
-                    f"blocks[{i}] is not at a multiple of {ALIGNMENT} bytes inside the primary memory"
-                )
-            offsets.append(offset)
-        if writable and len(set(offsets)) != len(offsets):
-            raise InvalidArgumentError("blocks must not repeat within one load")
-        return list(keys), [self.primary_kv_view[o : o + self.block_nbytes] for o in offsets]
+        return list(keys), self.block_views(blocks, writable=writable)
 
     async def _run_batches(
         self,

@@ -1,6 +1,7 @@
 """`TierResource`: what every secondary tier is as a resource, apart from what it stores.
 
-Its spec and the primary memory it moves blocks to and from; the scheduler whose
+Its spec and the primary memory it moves blocks to and from (slots by number, or blocks
+anywhere on its 4096-byte grid by view); the scheduler whose
 worker threads run its blocking work; opening once, before its first operation
 (a failed opening retried by the next, counted as a fault); closing once, after
 the operations in flight, letting go of the primary view; its name, counters and
@@ -13,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
 from anyio.abc import AsyncResource
 
+from .buffers import address_of
 from .busy_time import BusyTime
 from .errors import ClosedError, InvalidArgumentError
 from .fault_breaker import FaultBreaker
@@ -28,7 +30,7 @@ from .fault_log import FaultLog
 from .in_flight import CallsInFlight
 from .open_once import OpenOnce
 from .scheduler import Scheduler, wait_uncancellable
-from .spec import OffloadingSpec
+from .spec import ALIGNMENT, OffloadingSpec
 
 __all__ = ["INLINE_CPU_BYTES", "TierResource"]
 
@@ -114,6 +116,44 @@ class TierResource(AsyncResource):
     def block_view(self, block_id: int) -> memoryview:
         start = block_id * self.block_stride
         return self.primary_kv_view[start : start + self.block_nbytes]
+
+    def primary_offset(self, block: Any) -> int | None:
+        """Where `store_views` / `load_views` find `block` (a C-contiguous buffer): its offset in
+        the primary memory, a multiple of 4096 with `block_nbytes` bytes to the memory's end;
+        None if it is not so placed."""
+        offset = address_of(block) - address_of(self.primary_kv_view)
+        if 0 <= offset <= self.primary_kv_view.nbytes - self.block_nbytes and offset % ALIGNMENT == 0:
+            return offset
+        return None
+
+    def block_views(self, blocks: Sequence[Any], *, writable: bool) -> list[memoryview]:
+        """The primary memory's own views of `blocks`, each a buffer of `block_nbytes` bytes that
+        `primary_offset` places (writable and distinct, if `writable`); raises
+        `InvalidArgumentError`. The block size must be a multiple of 4096: a backend may read a
+        whole record into a block, and on the 4096 grid the record is the block."""
+        if blocks and self.block_nbytes % ALIGNMENT:
+            raise InvalidArgumentError(
+                f"blocks by view need block_nbytes a multiple of {ALIGNMENT}, got {self.block_nbytes}"
+            )
+        offsets = []
+        for i, block in enumerate(blocks):
+            try:
+                view = memoryview(block).cast("B")
+            except TypeError as exc:
+                raise InvalidArgumentError(f"blocks[{i}] must be a C-contiguous buffer: {exc}") from exc
+            if view.nbytes != self.block_nbytes:
+                raise InvalidArgumentError(f"blocks[{i}] has {view.nbytes} bytes, not {self.block_nbytes}")
+            if writable and view.readonly:
+                raise InvalidArgumentError(f"blocks[{i}] is read-only")
+            offset = self.primary_offset(view)
+            if offset is None:
+                raise InvalidArgumentError(
+                    f"blocks[{i}] is not at a multiple of {ALIGNMENT} bytes inside the primary memory"
+                )
+            offsets.append(offset)
+        if writable and len(set(offsets)) != len(offsets):
+            raise InvalidArgumentError("blocks must not repeat within one load")
+        return [self.primary_kv_view[o : o + self.block_nbytes] for o in offsets]
 
     # -- opening and closing ----------------------------------------------------------------
     async def open(self) -> None:
