@@ -18,6 +18,7 @@ import LMCache: an object is anything with a `byte_array`.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import ctypes
 import logging
@@ -92,7 +93,7 @@ def parts(objects: Sequence[Any]) -> list[tuple[int, list[int]]]:
     return cut
 
 
-class SizeClass:
+class SizeClass(abc.ABC):
     """One object size and its kvtier tier; `store` / `load` move objects of that size.
 
     At most `places` objects are in the tier's hands at once, a store or load waiting for a
@@ -150,13 +151,13 @@ class SizeClass:
                 await self.give(places)
         return results
 
+    @abc.abstractmethod
     async def write(self, places: list[int], names: list[bytes], objects: list[Any]) -> list[bool]:
         """Store each object under its name, one place each; True where the tier holds it now."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def read(self, places: list[int], names: list[bytes], objects: list[Any]) -> list[bool]:
         """Load each name into its object, one place each; True where the exact bytes arrived."""
-        raise NotImplementedError
 
 
 class InPlace(SizeClass):
