@@ -58,6 +58,8 @@ class TierResource(AsyncResource):
             raise InvalidArgumentError(f"tier_type must be a non-empty str, got {tier_type!r}")
         self.offloading_spec = offloading_spec
         self.primary_kv_view = view
+        #: Where the primary memory starts in this process: blocks by view are placed from it.
+        self.primary_base = address_of(view)
         self.tier_type = tier_type
         self.block_nbytes = offloading_spec.block_nbytes
         self.block_stride = offloading_spec.block_stride
@@ -121,7 +123,7 @@ class TierResource(AsyncResource):
         """Where `store_views` / `load_views` find `block` (a C-contiguous buffer): its offset in
         the primary memory, a multiple of 4096 with `block_nbytes` bytes to the memory's end;
         None if it is not so placed."""
-        offset = address_of(block) - address_of(self.primary_kv_view)
+        offset = address_of(block) - self.primary_base
         if 0 <= offset <= self.primary_kv_view.nbytes - self.block_nbytes and offset % ALIGNMENT == 0:
             return offset
         return None

@@ -109,7 +109,6 @@ class FileSystemTier(SecondaryTierManager):
         self.direct_io_requested = direct_io
         self.staging_requested = staging
         self.refresh_interval_s = float(refresh_interval_s)
-        self._primary_base = address_of(self.primary_kv_view)
         self.files = SlabFiles(
             self.root,
             offloading_spec.namespace,
@@ -154,7 +153,7 @@ class FileSystemTier(SecondaryTierManager):
         """Worker thread: open the namespace's files, make the staging buffers if staging, and
         size how far ahead of the stores in flight a slab is claimed."""
         self.files.open(self.direct_io_requested, self.requested_capacity)
-        if self._primary_base % 4096:
+        if self.primary_base % 4096:
             self.files.direct_io = False  # O_DIRECT needs aligned memory; a foreign view may not be
         if self.staging_requested == "auto":
             staging = self.direct_io and pages_scattered(self.primary_kv_view) is True
@@ -193,7 +192,7 @@ class FileSystemTier(SecondaryTierManager):
                 await self.following.refresh()
 
     def _slot_offset(self, block: memoryview) -> int:
-        return address_of(block) - self._primary_base
+        return address_of(block) - self.primary_base
 
     # -- hooks ---------------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
