@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import TypeVar
 
 import anyio
 
@@ -26,16 +25,14 @@ from .scheduler import Lane, Priority, Scheduler
 
 __all__ = ["run_in_batches"]
 
-Block = TypeVar("Block")
-
 
 async def run_in_batches(
     scheduler: Scheduler,
     lane: Lane,
     priority: Priority,
-    call: Callable[[list[bytes], list[Block]], Awaitable[list[bool]]],
+    call: Callable[[list[bytes], list[memoryview]], Awaitable[list[bool]]],
     keys: list[bytes],
-    blocks: list[Block],
+    blocks: list[memoryview],
     results: list[bool],
     *,
     batch: int,

@@ -130,8 +130,8 @@ class SecondaryTierManager(TierResource):
         is not written again (`stores_deduplicated`); a sharer gets the outcome
         of the write in flight.
         """
-        keys, ids = self._check_args(keys, block_ids)
-        return await self._store_checked(keys, [self.block_view(i) for i in ids])
+        keys, views = self._check_args(keys, block_ids)
+        return await self._store_checked(keys, views)
 
     async def store_views(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]:
         """`store`, the blocks given by their bytes: each a C-contiguous buffer of
@@ -210,8 +210,8 @@ class SecondaryTierManager(TierResource):
         priority: Priority = Priority.LOAD,
     ) -> list[bool]:
         """Read `keys` into primary slots `block_ids`; True only where the exact bytes arrived."""
-        keys, ids = self._check_args(keys, block_ids)
-        return await self._load_checked(keys, [self.block_view(i) for i in ids], priority)
+        keys, views = self._check_args(keys, block_ids)
+        return await self._load_checked(keys, views, priority)
 
     async def load_views(
         self, keys: Sequence[bytes], blocks: Sequence[Any], *, priority: Priority = Priority.LOAD
@@ -285,27 +285,35 @@ class SecondaryTierManager(TierResource):
         return out
 
     # -- internals ---------------------------------------------------------------------------
-    def _check_args(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
-        if isinstance(keys, (bytes, str)):
-            raise InvalidArgumentError("keys must be a sequence of bytes, not a single key")
-        check_keys(keys)
+    def _check_args(
+        self, keys: Sequence[bytes], block_ids: Sequence[int]
+    ) -> tuple[list[bytes], list[memoryview]]:
+        """The keys and their primary slots' views; raises `InvalidArgumentError`."""
+        self._check_keys(keys)
         ids = check_block_ids(block_ids, self.num_blocks)
-        check_lengths(keys, ids)
-        self._check_not_closed()
-        return list(keys), ids
+        self._check_pairs(keys, ids)
+        return list(keys), [self.block_view(i) for i in ids]
 
     def _check_views(
         self, keys: Sequence[bytes], blocks: Sequence[Any], *, writable: bool
     ) -> tuple[list[bytes], list[memoryview]]:
-        """The primary memory's views of `blocks` (see `store_views`); raises `InvalidArgumentError`."""
+        """The keys and the primary memory's views of `blocks` (see `store_views`); raises
+        `InvalidArgumentError`."""
+        self._check_keys(keys)
+        if isinstance(blocks, (bytes, bytearray, memoryview, str)) or not isinstance(blocks, Sequence):
+            raise InvalidArgumentError(f"blocks must be a sequence of buffers, got {type(blocks).__name__}")
+        self._check_pairs(keys, blocks)
+        return list(keys), self.block_views(blocks, writable=writable)
+
+    def _check_keys(self, keys: Sequence[bytes]) -> None:
         if isinstance(keys, (bytes, str)):
             raise InvalidArgumentError("keys must be a sequence of bytes, not a single key")
         check_keys(keys)
-        if isinstance(blocks, (bytes, bytearray, memoryview, str)) or not isinstance(blocks, Sequence):
-            raise InvalidArgumentError(f"blocks must be a sequence of buffers, got {type(blocks).__name__}")
+
+    def _check_pairs(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
+        """One block per key, and a tier still open (its primary memory still held)."""
         check_lengths(keys, blocks)
         self._check_not_closed()
-        return list(keys), self.block_views(blocks, writable=writable)
 
     async def _run_batches(
         self,
