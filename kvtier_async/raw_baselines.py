@@ -161,7 +161,9 @@ async def _raw_s3(
     prefix = f"kvtier-bench-raw/{os.getpid()}-{time.monotonic_ns()}/"
 
     async def put(group: list[int]) -> None:
-        await asyncio.gather(*(obstore.put_async(store, prefix + str(i), payload) for i in group))
+        await asyncio.gather(
+            *(obstore.put_async(store, prefix + str(i), payload, use_multipart=False) for i in group)
+        )
 
     async def get_one(i: int) -> None:
         await (await obstore.get_async(store, prefix + str(i))).bytes_async()
@@ -172,7 +174,7 @@ async def _raw_s3(
     store_s, store_lat = await timed_requests([partial(put, g) for g in groups], limits.max_inflight_stores)
     load_s, load_lat = await timed_requests([partial(get, g) for g in groups], limits.max_inflight_loads)
     await obstore.delete_async(store, [prefix + str(i) for g in groups for i in g])
-    return "obstore PUT/GET", store_s, store_lat, load_s, load_lat
+    return "obstore PUT/GET (one PUT per block)", store_s, store_lat, load_s, load_lat
 
 
 # -- the pipeline ---------------------------------------------------------------------------------

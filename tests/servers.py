@@ -288,8 +288,9 @@ class S3Server:
 
 class ThrottlingProxy:
     """An HTTP proxy in front of an S3 server that answers `503 SlowDown`, as S3 does when a
-    prefix is asked too fast: to the first attempt of each request (`throttle="first"`), or to
-    every one (`"all"`). Each attempt it lets through is forwarded as it came."""
+    prefix is asked too fast: to the first attempt of each request (`throttle="first"`), to
+    every one (`"all"`), or to none (`"none"`: a proxy that only watches). Each attempt it lets
+    through is forwarded as it came; `requests` lists every attempt as (method, path and query)."""
 
     SLOW_DOWN = (
         b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -304,6 +305,7 @@ class ThrottlingProxy:
         self.throttle = throttle
         self.throttled = 0
         self.forwarded = 0
+        self.requests: list[tuple[str, str]] = []
         self._seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         target = urllib.parse.urlsplit(upstream)
@@ -320,9 +322,10 @@ class ThrottlingProxy:
 
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with proxy._lock:
+                    proxy.requests.append((self.command, self.path))
                     first = (self.command, self.path) not in proxy._seen
                     proxy._seen.add((self.command, self.path))
-                    slow_down = proxy.throttle == "all" or first
+                    slow_down = proxy.throttle == "all" or (proxy.throttle == "first" and first)
                     if slow_down:
                         proxy.throttled += 1
                     else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +158,15 @@ def test_bad_config_is_refused_before_anything_starts() -> None:
             kt.SecondaryTierFactory.create_secondary_tier({"type": "s3", **bad}, view, spec)
 
 
+def test_a_block_too_large_for_one_put_is_refused() -> None:
+    spec = kt.OffloadingSpec(block_nbytes=5 << 30, num_cpu_blocks=1)
+    with mmap.mmap(-1, spec.primary_nbytes) as memory:  # never touched: no memory is used
+        view = memoryview(memory)
+        with pytest.raises(kt.ConfigError, match="5 GiB"):
+            kt.SecondaryTierFactory.create_secondary_tier({"type": "s3", "bucket": BUCKET}, view, spec)
+        view.release()
+
+
 @pytest.mark.asyncio
 async def test_throttling_answers_are_retried_within_the_deadline(s3_server: servers.S3Server) -> None:
     # S3 answers 503 SlowDown when a prefix is asked too fast. Every request's first attempt
@@ -172,6 +183,25 @@ async def test_throttling_answers_are_retried_within_the_deadline(s3_server: ser
             stats = tier.stats()
     assert proxy.throttled >= 3 * 8  # HEAD, PUT and GET of each block, at least once each
     assert (stats["errors"], stats["request_failures"]) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_block_past_the_multipart_threshold_is_one_put(s3_server: servers.S3Server) -> None:
+    # obstore's default turns a value past 5 MiB into a multipart upload: four requests for an
+    # 8 MiB block, and parts left behind in the bucket when one is cut short. A block is one PUT.
+    spec = kt.OffloadingSpec(block_nbytes=6 << 20, num_cpu_blocks=2, namespace="one-put")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    async with servers.ThrottlingProxy(s3_server.endpoint, throttle="none") as proxy:
+        tier = kt.SecondaryTierFactory.create_secondary_tier(config(proxy.endpoint), primary.view, spec)
+        async with tier:
+            payload = random.Random(8).randbytes(spec.block_nbytes)
+            primary.slot_view(0)[:] = payload
+            key = make_key(0, b"big")
+            assert await tier.store([key], [0]) == [True]
+            writes = [(method, path) for method, path in proxy.requests if method in ("PUT", "POST")]
+            assert await tier.load([key], [1]) == [True]
+            assert bytes(primary.slot_view(1)) == payload
+    assert writes == [("PUT", f"/{BUCKET}/{tier.object_name(key)}")]
 
 
 @pytest.mark.asyncio
