@@ -186,19 +186,20 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                 block = kib * 1024
                 blocks = max(config.request_blocks, config.mib_per_case * (1 << 20) // block)
                 bar.set_postfix_str(f"{name} {kib} KiB")
-                measured_runs, baseline_runs = [], []
-                for r in range(config.repeat):  # interleaved, so drifts hit both alike
+                measured_runs: list[dict[str, Any]] = []
+                baseline_runs: list[Any] = []
+                # Interleaved, so drifts hit both alike, and taking turns at going first: a server
+                # (moto) can slow down as it holds more, and a VM's host can take CPU time back for
+                # a while; neither must land on one side only.
+                for r in range(config.repeat):
                     tag = f"{run_id}-{n}-{kib}-{r}"
-                    measured_runs.append(
-                        await _measure_tier(tier_config, block, blocks, config.request_blocks, tag)
+                    tier_run = partial(_measure_tier, tier_config, block, blocks, config.request_blocks, tag)
+                    raw_run = partial(
+                        raw_baseline, tier_config, block, blocks, config.request_blocks, work / f"raw-{tag}"
                     )
-                    bar.update()
-                    baseline_runs.append(
-                        await raw_baseline(
-                            tier_config, block, blocks, config.request_blocks, work / f"raw-{tag}"
-                        )
-                    )
-                    bar.update()
+                    for side in (tier_run, raw_run) if r % 2 == 0 else (raw_run, tier_run):
+                        (measured_runs if side is tier_run else baseline_runs).append(await side())
+                        bar.update()
                 measured = median_tree(measured_runs)
                 baseline = None if baseline_runs[0] is None else median_tree(baseline_runs)
                 case = {"tier": name, "type": tier_config["type"], "block_kib": kib, "blocks": blocks}
