@@ -51,6 +51,7 @@ __all__ = [
     "namespace_id",
     "pack_header",
     "payload_checksum",
+    "payload_hasher",
     "read_header",
     "verify_block",
     "verify_header",
@@ -75,6 +76,12 @@ def namespace_id(namespace: str) -> bytes:
 
 def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def payload_hasher() -> Any:
+    """`payload_checksum` in steps: `update()` with the payload's consecutive pieces, then
+    `intdigest()`; for a caller that must not spend the time of a whole payload at once."""
+    return xxhash.xxh3_64()
 
 
 def _header_bytes(*, namespace: bytes, key: bytes, payload_len: int, checksum: int) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
+import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,34 @@ async def test_a_value_changed_out_of_band_is_a_counted_miss(redis_server: serve
         finally:
             await raw.aclose()
         assert await tier.load(keys, [3, 4, 5]) == [False, False, True]
+        assert tier.stats()["corrupt_blocks"] == 2
+
+
+@pytest.mark.asyncio
+async def test_a_changed_byte_anywhere_in_a_large_block_is_a_counted_miss(
+    redis_server: servers.RedisServer,
+) -> None:
+    # A block past a MiB is checked a MiB at a time: a byte changed in its first piece or in its
+    # last, short one is caught the same.
+    spec = kt.OffloadingSpec(block_nbytes=(5 << 19) + 100, num_cpu_blocks=6, namespace="large-blocks")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    tier = kt.SecondaryTierFactory.create_secondary_tier(config(redis_server.url), primary.view, spec)
+    async with tier:
+        keys = [make_key(i, b"large") for i in range(3)]
+        payloads = [random.Random(i).randbytes(spec.block_nbytes) for i in range(3)]
+        for slot, payload in enumerate(payloads):
+            primary.slot_view(slot)[:] = payload
+        assert await tier.store(keys, [0, 1, 2]) == [True] * 3
+        raw = raw_client(redis_server.url)
+        try:
+            for key, at in [(keys[0], 4096 + 10), (keys[1], -1)]:  # the header is 4096 bytes
+                value = bytearray(await raw.get(tier.value_name(key)))
+                value[at] ^= 0x01
+                await raw.set(tier.value_name(key), bytes(value))
+        finally:
+            await raw.aclose()
+        assert await tier.load(keys, [3, 4, 5]) == [False, False, True]
+        assert bytes(primary.slot_view(5)) == payloads[2]
         assert tier.stats()["corrupt_blocks"] == 2
 
 
