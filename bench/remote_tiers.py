@@ -1,6 +1,7 @@
 """Benchmark: RedisTier and ObjectStoreTier next to the raw clients, through `kvtier bench`'s measurements.
 
     python bench/remote_tiers.py --repeat 3                  # starts redis-server and moto locally
+    python bench/remote_tiers.py --tiers s3 --block-kib 8192 --repeat 10
     python bench/remote_tiers.py --redis-url redis://host:6379/0 --s3-endpoint http://host:9000
 
 What `kvtier bench --tiers '[{"type": "redis", ...}, {"type": "s3", ...}]'` would
@@ -37,6 +38,7 @@ async def main() -> None:
     parser.add_argument("--mib", type=int, default=128, help="MiB moved per tier and block size")
     parser.add_argument("--request-blocks", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--tiers", nargs="+", choices=["redis", "s3"], default=["redis", "s3"])
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--s3-endpoint", default=None, help=f"http(s) endpoint with a bucket {BUCKET!r}")
     parser.add_argument("--json", type=Path, default=None)
@@ -45,22 +47,29 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-remote-") as work:
         try:
             redis_url, endpoint = args.redis_url, args.s3_endpoint
-            if redis_url is None:
+            if redis_url is None and "redis" in args.tiers:
                 redis = servers.RedisServer(Path(work) / "redis")
                 await asyncio.to_thread(redis.start)
                 started.append(redis)
                 redis_url = redis.url
-            if endpoint is None:
+            if endpoint is None and "s3" in args.tiers:
                 s3 = servers.S3Server()
                 await asyncio.to_thread(s3.start)
                 started.append(s3)
                 await asyncio.to_thread(s3.create_bucket, BUCKET)
                 endpoint = s3.endpoint
-            tiers = [
-                {"type": "redis", "url": redis_url},
-                {"type": "s3", "bucket": BUCKET, "endpoint": endpoint, "allow_http": True, "timeout_s": 30.0}
-                | CREDENTIALS,
-            ]
+            tiers = []
+            if "redis" in args.tiers:
+                tiers.append({"type": "redis", "url": redis_url})
+            if "s3" in args.tiers:
+                s3_tier = {
+                    "type": "s3",
+                    "bucket": BUCKET,
+                    "endpoint": endpoint,
+                    "allow_http": True,
+                    "timeout_s": 30.0,
+                }
+                tiers.append(s3_tier | CREDENTIALS)
             config = BenchConfig(
                 secondary_tiers=tiers,
                 block_kib=args.block_kib,
