@@ -66,6 +66,8 @@ class SecondaryTierManager(TierResource):
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         self._single_flight = SingleFlight()  # keys being written by a store in flight
+        # Blocks per hook call. Resolved once: `spec.limits` builds its whole answer on every read.
+        self._batch_blocks = offloading_spec.limits.batch_blocks
         #: Called on the event-loop thread with the keys this tier stopped holding (evicted,
         #: replaced or deleted), where the backend knows it; a shared tier's server may also
         #: drop keys without telling anyone.
@@ -260,7 +262,7 @@ class SecondaryTierManager(TierResource):
             if not await self._ensure_open():
                 return present
             self.counters["lookup_calls"] += 1
-            batch = self.offloading_spec.limits.batch_blocks
+            batch = self._batch_blocks
             for start in range(0, len(keys), batch):
                 part = keys[start : start + batch]
                 found = await self._guard.call("contains", self.contains(part), len(part), Priority.LOAD)
@@ -331,7 +333,7 @@ class SecondaryTierManager(TierResource):
         def call(part_keys: list[bytes], part_views: list[memoryview]) -> Awaitable[list[bool]]:
             return self._guard.call(hook.__name__, hook(part_keys, part_views), len(part_keys), priority)
 
-        batch, nbytes = self.offloading_spec.limits.batch_blocks, self.block_nbytes
+        batch, nbytes = self._batch_blocks, self.block_nbytes
         await run_in_batches(
             self.scheduler,
             lane,
