@@ -197,8 +197,9 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                     raw_run = partial(
                         raw_baseline, tier_config, block, blocks, config.request_blocks, work / f"raw-{tag}"
                     )
-                    for side in (tier_run, raw_run) if r % 2 == 0 else (raw_run, tier_run):
-                        (measured_runs if side is tier_run else baseline_runs).append(await side())
+                    sides = [(tier_run, measured_runs), (raw_run, baseline_runs)]
+                    for run, runs in sides if r % 2 == 0 else reversed(sides):
+                        runs.append(await run())
                         bar.update()
                 measured = median_tree(measured_runs)
                 baseline = None if baseline_runs[0] is None else median_tree(baseline_runs)
