@@ -13,7 +13,7 @@ import pytest
 
 import kvtier_async as kt
 from kvtier_async.primary import reserve_host_memory
-from kvtier_async.tiers.fs import FileSystemTier
+from kvtier_async.tiers.fs import FileSystemTier, staging
 from kvtier_async.tiers.fs.staging import STAGE_BYTES, pages_scattered, scattered_fraction
 
 PAGES = 2048  # 8 MiB regions
@@ -62,6 +62,18 @@ HUGE_PAGES = huge_pages_enabled()
 def test_scattered_pages_are_recognised() -> None:
     with scattered_memory(PAGES * mmap.PAGESIZE) as mapping, memoryview(mapping) as view:
         assert pages_scattered(view) is True
+
+
+@pytest.mark.parametrize(("fraction", "staged"), [(0.0, False), (0.15, False), (0.25, True), (1.0, True)])
+def test_staging_starts_at_a_fifth_of_pages_apart(
+    monkeypatch: pytest.MonkeyPatch, fraction: float, staged: bool
+) -> None:
+    # Measured: staged I/O was level with direct or ahead from 0.20 of neighbours apart,
+    # direct as fast or faster at 0.15 and below (`SCATTERED_ABOVE`). How much of a real
+    # region is apart depends on the host's free memory, so the fraction is given here; the
+    # tests around measure it.
+    monkeypatch.setattr(staging, "scattered_fraction", lambda view: fraction)
+    assert staging.pages_scattered(memoryview(b"")) is staged
 
 
 @needs_frames
