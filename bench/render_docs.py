@@ -552,12 +552,48 @@ def aiofiles_section() -> list[str]:
     return lines
 
 
+def staging_section() -> list[str]:
+    record = load("fs_staging")
+    lines = [
+        "## Staged or direct I/O, by how scattered the memory is",
+        "",
+        "The fs tier reads and writes through huge-page staging buffers when more than a fifth",
+        "of its primary memory's neighbouring pages lie apart in RAM (`staging.SCATTERED_ABOVE`),",
+        "and straight into the memory otherwise (see the fs tier's page). This is what that",
+        "threshold comes from: a `/dev/shm` mapping of random bytes, faulted in page by page with",
+        "a page of another mapping after every few of its own, so that at least that share of its",
+        "neighbours lie apart (the host's free memory adds some: *neighbours apart* is what the",
+        "tier measured), stored and loaded (page cache dropped) by a tier with `staging` on and",
+        "one with it off, taking turns to go first. A ratio below 1.00 means staging was faster.",
+        "",
+        provenance(record),
+        "",
+        "| block | threads | a page between every | neighbours apart | staged store / load GB/s "
+        "| direct / staged, store | direct / staged, load |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in record["results"]:
+        store, load_ = (
+            ratio_cell(round_ratios(r["rounds"], r["rounds"], f"direct_{op}", f"staged_{op}"))
+            for op in ("store_gbps", "load_gbps")
+        )
+        apart = "unknown" if r["apart"] is None else f"{r['apart']:.2f}"
+        lines.append(
+            f"| {size(r['block_kib'])} | {r['threads']} | {r['between'] or '-'} | {apart} | "
+            f"{r['staged_store_gbps']:.2f} / {r['staged_load_gbps']:.2f} | {store} | {load_} |"
+        )
+    lines.append("")
+    return lines
+
+
 def round_counts() -> set[int]:
     """How many rounds each row of the page's records has."""
     counts = {len(r["rounds"]) for r in load("fs_tier")["results"]}
     counts |= {len(case["rounds"]["kvtier"]) for case in load("vllm_tiers")["results"]}
     if (RECORDS / "fs_steady.json").exists():
         counts |= {len(r["rounds"]) for r in load("fs_steady")["results"]}
+    if (RECORDS / "fs_staging.json").exists():
+        counts |= {len(r["rounds"]) for r in load("fs_staging")["results"]}
     if (RECORDS / "peers.json").exists():
         counts |= {m["rounds"] for m in peer_medians().values()}
     return counts
@@ -592,6 +628,8 @@ def render(out: Path) -> str:
     lines += fs_section(out)
     if (RECORDS / "fs_steady.json").exists():
         lines += steady_section()
+    if (RECORDS / "fs_staging.json").exists():
+        lines += staging_section()
     if (RECORDS / "peers.json").exists():
         lines += peers_section()
     lines += vllm_section()

@@ -88,6 +88,11 @@ def fs_steady(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def fs_staging(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/fs_staging.py", "--repeat", "6"]
+    return shlex.join(command), run_json(command)
+
+
 def peers(args: argparse.Namespace) -> tuple[str, Any]:
     """Our fs tier and LMCache's disk backend, in one process, taking turns to go first."""
     command = [
@@ -141,6 +146,7 @@ def lmcache_l2(args: argparse.Namespace) -> tuple[str, Any]:
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
     "fs_steady": fs_steady,
+    "fs_staging": fs_staging,
     "peers": peers,
     "vllm_tiers": vllm_tiers,
     "loop_lag": loop_lag,

@@ -70,6 +70,32 @@ def test_fs_steady_bench_runs(tmp_path: Path) -> None:
         assert len(paired) == 2 and row["overwrite_ratio"] == pytest.approx(statistics.median(paired))
 
 
+def test_fs_staging_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "staging.json"
+    bench(
+        "fs_staging.py",
+        *TWO_TINY_ROUNDS,
+        "--block-mib",
+        "2",
+        "--between",
+        "0",
+        "1",
+        "--dir",
+        tmp_path,
+        "--json",
+        out,
+    )
+    rows = json.loads(out.read_text())["results"]
+    assert [row["between"] for row in rows] == [0, 1]
+    for row in rows:
+        assert len(row["rounds"]) == 2
+        assert row["direct_load_gbps"] == pytest.approx(
+            statistics.median(r["direct_load_gbps"] for r in row["rounds"])
+        )
+    if rows[1]["apart"] is not None:  # frame numbers visible: a page between every one of ours
+        assert rows[1]["apart"] > 0.9
+
+
 def test_fs_open_bench_runs(tmp_path: Path) -> None:
     assert "open (cold)" in bench("fs_open.py", "--blocks", "500", "--dir", tmp_path)
 
@@ -233,5 +259,5 @@ def test_run_all_describes_the_machine() -> None:
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
-    recorders |= {"sglang_backend", "lmcache_l2"}
+    recorders |= {"sglang_backend", "lmcache_l2", "fs_staging"}
     assert set(run_all.RECORDERS) == recorders
