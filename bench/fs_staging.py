@@ -143,7 +143,7 @@ async def main() -> None:
                 flush=True,
             )
     if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

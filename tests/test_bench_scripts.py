@@ -85,7 +85,7 @@ def test_fs_staging_bench_runs(tmp_path: Path) -> None:
         "--json",
         out,
     )
-    rows = json.loads(out.read_text())["results"]
+    rows = json.loads(out.read_text())
     assert [row["between"] for row in rows] == [0, 1]
     for row in rows:
         assert len(row["rounds"]) == 2

@@ -38,11 +38,12 @@ _PAGE = mmap.PAGESIZE
 _SAMPLES = 16  # windows of the region looked at
 _WINDOW_PAGES = 128  # pages in each window
 #: The fraction of neighbouring pages apart (`scattered_fraction`) past which staging pays.
-#: Measured on this project's VMs (fs tier, 6-8 interleaved rounds, staged against direct,
-#: 2 and 32 MiB records): at 0.20-0.24 staging was level or ahead (loads up to 13% faster);
-#: at 0.28-0.31 it read 9-19% and wrote 0-8% faster, at 0.54 10-16%, at 0.78 21-28%; at 0.15
-#: and below direct I/O was as fast or faster (up to 12%: the copy costs more than the
-#: segments). Not only the 254 segments a virtio request holds count: each costs the device.
+#: Measured on this project's VMs (`bench/fs_staging.py`, on the performance page), 2 and
+#: 32 MiB records: from a quarter of neighbours apart up, direct I/O ran at 0.62-0.99x of
+#: staged I/O both ways (worse the more apart); below a fifth it depends on the size and the
+#: direction (direct 32 MiB loads 1.08x at 0.15; direct 2 MiB stores 1.00-1.18x and loads
+#: 0.90-0.97x at 0.03-0.08), the copy costing about what the segments do. Not only the 254
+#: segments a virtio request holds count: each one costs the device.
 SCATTERED_ABOVE = 0.2
 _PRESENT = 1 << 63
 _PFN_MASK = (1 << 55) - 1
