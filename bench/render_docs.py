@@ -510,8 +510,8 @@ def lmcache_l2_section() -> list[str]:
         "`load_views`), each chunk stored with its checksum and verified on every load. The",
         "benchmark's L1 buffer has 4 KiB pages scattered in physical memory; LMCache's adapter does",
         "its direct I/O into them, the fs tier through its huge-page staging buffers (a copy on the",
-        "I/O threads; see the fs section). The adapter runs its tiers with 8 I/O threads unless",
-        "told otherwise.",
+        "I/O threads; see the fs section). The adapter's tiers run with the library's default",
+        "I/O threads (4 on this machine's 2 cores).",
         "",
     ]
     return lines

@@ -71,11 +71,6 @@ log = logging.getLogger(__name__)
 
 #: Default staging memory per object size, in MiB.
 STAGING_MIB = 256
-#: I/O threads per tier unless "limits" says otherwise. Chosen when every chunk went through a
-#: staging copy (`bench/lmcache_l2.py`, 2 MiB chunks, 2 cores: stores 0.82x LMCache's fs adapter
-#: with 4 threads, 0.98x with 8); moved in place, 3 rounds: 4 threads 0.96x / 1.32x (2 / 32 MiB
-#: stores), 1.23x / 1.10x loads; 8 threads 1.06x / 1.23x, 1.20x / 0.97x: no clear winner, kept.
-IO_THREADS = 8
 #: How long `close` lets tasks in flight finish before it cancels them.
 CLOSE_GRACE_S = 10.0
 
@@ -112,7 +107,6 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     def __init__(self, adapter_params: Mapping[str, Any], l1_memory_desc: Any = None) -> None:
         params = dict(getattr(adapter_params, "adapter_params", adapter_params) or {})
         self.tier_config, self.limits = engine_config("kvtier LMCache adapter", "adapter_params", params)
-        self.limits.setdefault("io_threads", IO_THREADS)
         staging_mib = params.get("staging_mib", STAGING_MIB)
         if isinstance(staging_mib, bool) or not isinstance(staging_mib, int) or staging_mib < 1:
             raise ConfigError(
