@@ -29,18 +29,15 @@ def bench(script: str, *args: str | Path) -> str:
     ).stdout
 
 
+def bench_records(script: str, tmp_path: Path, *args: str) -> Any:
+    """Run a benchmark writing to `tmp_path` and return what it saved with `--json`."""
+    out = tmp_path / "out.json"
+    bench(script, *args, "--dir", tmp_path, "--json", out)
+    return json.loads(out.read_text())
+
+
 def test_fs_tier_bench_runs(tmp_path: Path) -> None:
-    out = tmp_path / "fs.json"
-    bench(
-        "fs_tier.py",
-        *TWO_TINY_ROUNDS,
-        "--aiofiles",
-        "--dir",
-        tmp_path,
-        "--json",
-        out,
-    )
-    rows = json.loads(out.read_text())
+    rows = bench_records("fs_tier.py", tmp_path, *TWO_TINY_ROUNDS, "--aiofiles")
     assert {(row["block_kib"], row["memory"]) for row in rows} == {
         (kib, memory) for kib in (2048, 32768, 64) for memory in ("anon", "shm", "scattered")
     }
@@ -53,16 +50,7 @@ def test_fs_tier_bench_runs(tmp_path: Path) -> None:
 
 
 def test_fs_steady_bench_runs(tmp_path: Path) -> None:
-    out = tmp_path / "steady.json"
-    bench(
-        "fs_steady.py",
-        *TWO_TINY_ROUNDS,
-        "--dir",
-        tmp_path,
-        "--json",
-        out,
-    )
-    rows = json.loads(out.read_text())  # the script itself fails if the tier was not full
+    rows = bench_records("fs_steady.py", tmp_path, *TWO_TINY_ROUNDS)  # it fails if the tier was not full
     assert [row["block_kib"] for row in rows] == [2048, 32768]
     assert all(row["tier_store_gbps"] > 0 and row["new_files_gbps"] > 0 for row in rows)
     for row in rows:
@@ -71,21 +59,8 @@ def test_fs_steady_bench_runs(tmp_path: Path) -> None:
 
 
 def test_fs_staging_bench_runs(tmp_path: Path) -> None:
-    out = tmp_path / "staging.json"
-    bench(
-        "fs_staging.py",
-        *TWO_TINY_ROUNDS,
-        "--block-mib",
-        "2",
-        "--between",
-        "0",
-        "1",
-        "--dir",
-        tmp_path,
-        "--json",
-        out,
-    )
-    rows = json.loads(out.read_text())
+    args = ("--block-mib", "2", "--between", "0", "1")
+    rows = bench_records("fs_staging.py", tmp_path, *TWO_TINY_ROUNDS, *args)
     assert [row["between"] for row in rows] == [0, 1]
     for row in rows:
         assert len(row["rounds"]) == 2
@@ -107,14 +82,10 @@ def test_gpu_check_runs_on_the_cpu_fallback() -> None:
 
 
 def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
-    out = tmp_path / "p.json"
-    bench("pipeline.py", "--gib", "0.02", "--repeat", "1", "--dir", tmp_path, "--json", out)
-    result = json.loads(out.read_text())
+    result = bench_records("pipeline.py", tmp_path, "--gib", "0.02", "--repeat", "1")
     assert result["median"]["store_ratio"] > 0 and result["best"]["load_ratio"] > 0
     assert len(result["rounds"]) == 1
-    lag = tmp_path / "lag.json"
-    bench("loop_lag.py", "--gib", "0.02", "--dir", tmp_path, "--json", lag)
-    lags = json.loads(lag.read_text())
+    lags = bench_records("loop_lag.py", tmp_path, "--gib", "0.02")
     assert set(lags) == {"idle", "store", "load", "timeline"}
     assert lags["store"]["stolen_ms"] >= 0 and lags["load"]["seconds"] > 0
     store_timeline = lags["timeline"]["store"]
@@ -123,21 +94,8 @@ def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
 
 
 def test_contention_bench_runs(tmp_path: Path) -> None:
-    out = tmp_path / "c.json"
-    bench(
-        "contention.py",
-        "--block-kib",
-        "64",
-        "--store-batches",
-        "2",
-        "--loads",
-        "4",
-        "--dir",
-        tmp_path,
-        "--json",
-        out,
-    )
-    summary = json.loads(out.read_text())
+    args = ("--block-kib", "64", "--store-batches", "2", "--loads", "4")
+    summary = bench_records("contention.py", tmp_path, *args)
     assert summary["scheduler"]["load_p50_ms"] > 0 and summary["gather"]["dropped_blocks"] == 0
 
 
