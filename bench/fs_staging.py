@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import mmap
 import random
 import shutil
 import statistics
@@ -28,31 +27,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import GB, add_size_arguments, block_count, drop_cache, in_turn, run
-from fs_tier import shm_mapping
+from common import GB, add_size_arguments, block_count, drop_cache, in_turn, paired_ratio, run
+from fs_tier import fill_random, scattered_shm_mapping, shm_mapping
 
 import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
 from kvtier_async.tiers.fs.staging import scattered_fraction
-
-
-def partly_scattered(nbytes: int, between: int) -> mmap.mmap:
-    """A `/dev/shm` mapping of random bytes with another mapping's page faulted in after every
-    `between`-th of its pages (0: none)."""
-    mapping = shm_mapping(nbytes)
-    other = shm_mapping(nbytes) if between else None
-    for n, offset in enumerate(range(0, nbytes, mmap.PAGESIZE)):
-        mapping[offset] = 1
-        if other is not None and n % between == between - 1:
-            other[offset] = 1
-    if other is not None:
-        other.close()
-    flat = torch.frombuffer(mapping, dtype=torch.uint8)
-    for start in range(0, nbytes, 1 << 28):
-        part = flat[start : start + (1 << 28)]
-        part[:] = torch.randint(0, 256, (part.numel(),), dtype=torch.uint8)
-    del flat, part
-    return mapping
 
 
 async def store_and_load(
@@ -114,7 +94,9 @@ async def main() -> None:
             io_threads=args.threads,
         )
         for between in args.between:
-            mapping = partly_scattered(spec.primary_nbytes, between)
+            nbytes = spec.primary_nbytes
+            mapping = scattered_shm_mapping(nbytes, between) if between else shm_mapping(nbytes)
+            fill_random(torch.frombuffer(mapping, dtype=torch.uint8))
             view = memoryview(mapping)
             fraction = scattered_fraction(view)
             with tempfile.TemporaryDirectory(prefix="kvtier-staging-", dir=args.dir) as work:
@@ -132,7 +114,7 @@ async def main() -> None:
                 | {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
             )
             ratio = {
-                op: statistics.median(r[f"direct_{op}"] / r[f"staged_{op}"] for r in rounds)
+                op: paired_ratio(rounds, rounds, f"direct_{op}", f"staged_{op}")
                 for op in ("store_gbps", "load_gbps")
             }
             apart = "unknown" if fraction is None else f"{fraction:.2f}"

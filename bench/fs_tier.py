@@ -95,6 +95,27 @@ def shm_mapping(nbytes: int) -> mmap.mmap:
     return mapping
 
 
+def scattered_shm_mapping(nbytes: int, every: int) -> mmap.mmap:
+    """A `shm_mapping` faulted in page by page with another mapping's page after every
+    `every`-th of its own, as a busy host's allocator hands pages out: at least that share of
+    its neighbouring pages lie apart in RAM (1: no two neighbours are neighbours)."""
+    mapping, other = shm_mapping(nbytes), shm_mapping(nbytes)
+    for n, offset in enumerate(range(0, nbytes, mmap.PAGESIZE)):
+        mapping[offset] = 1
+        if n % every == every - 1:
+            other[offset] = 1
+    other.close()
+    return mapping
+
+
+def fill_random(buffer: torch.Tensor) -> None:
+    """Random bytes into `buffer`, a quarter GiB at a time."""
+    flat = buffer.view(-1)
+    for start in range(0, flat.numel(), 1 << 28):
+        part = flat[start : start + (1 << 28)]
+        part[:] = torch.randint(0, 256, (part.numel(),), dtype=torch.uint8)
+
+
 @contextmanager
 def primary_memory(kind: str, spec: kt.OffloadingSpec) -> Iterator[memoryview]:
     """The primary region, filled with random bytes (so its pages exist, as in a running server)."""
@@ -102,21 +123,12 @@ def primary_memory(kind: str, spec: kt.OffloadingSpec) -> Iterator[memoryview]:
         primary = kt.PrimaryTier(spec, pin_memory=False)
         buffer, view = primary.buffer, primary.view
     else:
-        mapping = shm_mapping(spec.primary_nbytes)
-        if kind == "scattered":
-            # Fault its pages in turn with another mapping's, as a busy host's allocator hands
-            # them out: no two neighbours are neighbours in RAM.
-            other = shm_mapping(spec.primary_nbytes)
-            for offset in range(0, spec.primary_nbytes, mmap.PAGESIZE):
-                mapping[offset] = other[offset] = 1
-            other.close()
+        nbytes = spec.primary_nbytes
+        mapping = scattered_shm_mapping(nbytes, 1) if kind == "scattered" else shm_mapping(nbytes)
         buffer, view = torch.frombuffer(mapping, dtype=torch.uint8), memoryview(mapping)
-    flat = buffer.view(-1)
-    for start in range(0, flat.numel(), 1 << 28):
-        part = flat[start : start + (1 << 28)]
-        part[:] = torch.randint(0, 256, (part.numel(),), dtype=torch.uint8)
+    fill_random(buffer)
     yield view
-    del buffer, flat
+    del buffer
 
 
 async def run_tier(
