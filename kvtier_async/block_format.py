@@ -20,6 +20,24 @@ The payload starts 4096 bytes in, page-aligned within the value. A block is good
 checksum, magic, version, namespace, key and length all match what the reader
 expects and the payload hashes to the stored checksum.
 
+With a tier secret (`secret`), a block is *sealed* instead (`BlockSealer`): AES-256-GCM from
+`cryptography`, keyed names, nothing of the namespace or the key in clear:
+
+    offset  size  field
+    0       8     magic b"KVTSEAL1"
+    8       16    writer salt: the block key is HKDF-SHA256(secret, salt, namespace)
+    24      12    nonce: a counter, unique per writer salt
+    36      n     the payload, encrypted
+    36+n    16    GCM tag over the payload and the associated data
+                  (namespace tag, payload length, key)
+
+Each tier instance draws a fresh random 128-bit writer salt when it is made and counts its
+nonces from 0 under the key that salt derives, so a nonce never repeats under one key: by
+construction, not by chance (two instances draw the same salt with probability ~2^-128 a
+pair). Names are HMAC-SHA256 of the key under a key derived from the secret and the
+namespace; the namespace's own tag is an HMAC of its name. `block_codec` picks the plain
+or the sealed format for a tier; both answer the same calls (`BlockCodec`).
+
 A tier may send a value as pieces (the header, then the payload straight from the primary
 tier: `encode_header`) and read it back as pieces (ranges of it: `decode_pieces`); the bytes
 stored are the same. Every copy and checksum here lets other threads run meanwhile
@@ -29,9 +47,13 @@ stored are the same. Every copy and checksum here lets other threads run meanwhi
 from __future__ import annotations
 
 import hashlib
+import hmac
+import itertools
+import os
 import struct
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
@@ -40,7 +62,12 @@ from .keys import MAX_KEY_BYTES
 
 __all__ = [
     "HEADER_BYTES",
+    "SEAL_OVERHEAD",
+    "BlockCodec",
+    "BlockSealer",
     "CorruptBlockError",
+    "PlainBlocks",
+    "block_codec",
     "decode_block",
     "decode_blocks",
     "decode_pieces",
@@ -186,3 +213,190 @@ def decode_blocks(
         decode_pieces(value if isinstance(value, list) else [value], block, namespace=namespace, key=key)
         for key, value, block in zip(keys, values, blocks)
     ]
+
+
+# -- the two formats behind one interface ------------------------------------------------------
+
+
+class BlockCodec(Protocol):
+    """What a tier that stores blocks under names asks of its block format."""
+
+    #: Whether blocks are sealed (encrypted, authenticated, names keyed).
+    sealed: bool
+    #: The 16 bytes that stand for the namespace in stored names.
+    namespace_tag: bytes
+    #: The counter a value that fails its checks is counted under.
+    failure_counter: str
+
+    def name(self, key: bytes) -> bytes:
+        """The name a block stored under `key` is kept under (within the namespace)."""
+
+    def value_nbytes(self, payload_nbytes: int) -> int:
+        """Bytes of the stored value of a payload of `payload_nbytes`."""
+
+    def encode_values(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[memoryview]:
+        """Each block's stored value, a new buffer each (blocking: a worker thread's work)."""
+
+    def decode_values(
+        self, keys: Sequence[bytes], values: Sequence[Any], blocks: Sequence[memoryview]
+    ) -> list[bool]:
+        """Each value (whole, or a list of consecutive pieces; None: absent) into its block,
+        True where it passed every check (blocking: a worker thread's work)."""
+
+
+class PlainBlocks:
+    """The format without a secret: checksummed, names in clear (anyone who can write to the
+    store can write a block that passes; see the security page)."""
+
+    sealed = False
+    failure_counter = "corrupt_blocks"
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace_tag = namespace_id(namespace)
+
+    def name(self, key: bytes) -> bytes:
+        return key
+
+    def value_nbytes(self, payload_nbytes: int) -> int:
+        return HEADER_BYTES + payload_nbytes
+
+    def encode_values(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[memoryview]:
+        return encode_blocks(keys, blocks, self.namespace_tag)
+
+    def decode_values(
+        self, keys: Sequence[bytes], values: Sequence[Any], blocks: Sequence[memoryview]
+    ) -> list[bool]:
+        return decode_blocks(keys, values, blocks, self.namespace_tag)
+
+
+SEAL_MAGIC = b"KVTSEAL1"
+_SALT_BYTES = 16
+_NONCE_BYTES = 12
+_TAG_BYTES = 16
+_SEAL_HEADER = len(SEAL_MAGIC) + _SALT_BYTES + _NONCE_BYTES
+#: Bytes a sealed value holds beyond its payload.
+SEAL_OVERHEAD = _SEAL_HEADER + _TAG_BYTES
+#: Block keys of other writers' salts kept derived (a reader meets a few writers at a time).
+_READ_KEYS_KEPT = 256
+_HKDF_SALT_NAMES = b"kvtier_async names v1"
+
+
+def _hkdf(secret: bytes, *, salt: bytes | None, info: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(secret)
+
+
+class BlockSealer:
+    """Sealed blocks of one namespace under one secret (see the module's docstring).
+
+    Thread-safe: tiers seal and open on worker threads.
+    """
+
+    sealed = True
+    failure_counter = "unauthenticated_blocks"
+
+    def __init__(self, secret: bytes, namespace: str) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._aesgcm = AESGCM
+        self._secret = secret
+        self._namespace = namespace.encode()
+        tag_key = _hkdf(secret, salt=_HKDF_SALT_NAMES, info=b"namespace tag")
+        self.namespace_tag = hmac.new(tag_key, self._namespace, "sha256").digest()[:16]
+        self._name_key = _hkdf(secret, salt=_HKDF_SALT_NAMES, info=b"block names\0" + self._namespace)
+        self._salt = os.urandom(_SALT_BYTES)
+        self._write_key = self._block_key(self._salt)
+        self._nonces = itertools.count()  # next() is atomic: no nonce is handed out twice
+        self._read_keys: dict[bytes, Any] = {self._salt: self._write_key}
+        self._read_keys_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"BlockSealer(namespace_tag={self.namespace_tag.hex()})"
+
+    def _block_key(self, salt: bytes) -> Any:
+        return self._aesgcm(_hkdf(self._secret, salt=salt, info=b"block key\0" + self._namespace))
+
+    def _read_key(self, salt: bytes) -> Any:
+        with self._read_keys_lock:
+            key = self._read_keys.get(salt)
+        if key is None:
+            key = self._block_key(salt)
+            with self._read_keys_lock:
+                if len(self._read_keys) >= _READ_KEYS_KEPT:  # forget the oldest other writer
+                    oldest = next(k for k in self._read_keys if k != self._salt)
+                    del self._read_keys[oldest]
+                self._read_keys[salt] = key
+        return key
+
+    def _associated(self, key: bytes, payload_nbytes: int) -> bytes:
+        return self.namespace_tag + payload_nbytes.to_bytes(8, "little") + key
+
+    def name(self, key: bytes) -> bytes:
+        return hmac.new(self._name_key, key, "sha256").digest()
+
+    def value_nbytes(self, payload_nbytes: int) -> int:
+        return SEAL_OVERHEAD + payload_nbytes
+
+    def seal_into(self, into: memoryview, payload: memoryview, key: bytes) -> None:
+        """Write the sealed value of `payload` stored under `key` into `into` (exactly
+        `value_nbytes(len(payload))` bytes). The GIL is released while it encrypts."""
+        n = len(payload)
+        if len(into) != SEAL_OVERHEAD + n:
+            raise ValueError(f"seal_into: {len(into)} bytes are not the {SEAL_OVERHEAD + n} of the value")
+        nonce = next(self._nonces).to_bytes(_NONCE_BYTES, "little")  # never 2^96 values in a process
+        into[:_SEAL_HEADER] = SEAL_MAGIC + self._salt + nonce
+        self._write_key.encrypt_into(nonce, payload, self._associated(key, n), into[_SEAL_HEADER:])
+
+    def open_into(self, block: memoryview, value: memoryview, key: bytes) -> bool:
+        """Whether `value` is the sealed block stored under `key`, with `block`'s length; then
+        `block` holds its payload (otherwise `block` may hold anything)."""
+        from cryptography.exceptions import InvalidTag
+
+        n = len(block)
+        if len(value) != SEAL_OVERHEAD + n or bytes(value[: len(SEAL_MAGIC)]) != SEAL_MAGIC:
+            return False
+        salt = bytes(value[len(SEAL_MAGIC) : len(SEAL_MAGIC) + _SALT_BYTES])
+        nonce = bytes(value[len(SEAL_MAGIC) + _SALT_BYTES : _SEAL_HEADER])
+        try:
+            self._read_key(salt).decrypt_into(nonce, value[_SEAL_HEADER:], self._associated(key, n), block)
+        except InvalidTag:
+            return False
+        return True
+
+    def encode_values(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[memoryview]:
+        values = []
+        for key, block in zip(keys, blocks):
+            value = new_buffer(SEAL_OVERHEAD + len(block))
+            self.seal_into(value, block, key)
+            values.append(value)
+        return values
+
+    def decode_values(
+        self, keys: Sequence[bytes], values: Sequence[Any], blocks: Sequence[memoryview]
+    ) -> list[bool]:
+        return [
+            self._decode_one(key, value if isinstance(value, list) else [value], block)
+            for key, value, block in zip(keys, values, blocks)
+        ]
+
+    def _decode_one(self, key: bytes, pieces: list[Any], block: memoryview) -> bool:
+        if not pieces or any(piece is None for piece in pieces):
+            return False
+        views = [memoryview(piece).cast("B") for piece in pieces]
+        if sum(view.nbytes for view in views) != SEAL_OVERHEAD + len(block):
+            return False
+        if len(views) == 1:
+            return self.open_into(block, views[0], key)
+        whole = new_buffer(SEAL_OVERHEAD + len(block))
+        at = 0
+        for view in views:
+            copy_into(whole[at:], view)
+            at += view.nbytes
+        return self.open_into(block, whole, key)
+
+
+def block_codec(namespace: str, secret: bytes | None) -> PlainBlocks | BlockSealer:
+    """The block format of a tier of `namespace`: sealed under `secret`, plain without one."""
+    return PlainBlocks(namespace) if secret is None else BlockSealer(secret, namespace)

@@ -57,3 +57,12 @@ def s3_server() -> Iterator[servers.S3Server]:
     server.create_bucket(servers.S3_BUCKET)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def tier_secret_env(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The name of an environment variable holding a fresh tier secret (for `secret_env`)."""
+    from kvtier_async.secret import new_secret
+
+    monkeypatch.setenv("KVTIER_TEST_SECRET", new_secret())
+    return "KVTIER_TEST_SECRET"

@@ -38,6 +38,14 @@ class TestFileSystemTierDirect(FsContract):
         return {"type": "fs", "root": str(tmp_path / "cache"), "direct_io": True}
 
 
+class TestFileSystemTierSealed(FsContract):
+    """With a tier secret: records sealed through their own slots, names keyed."""
+
+    @pytest.fixture
+    def tier_config(self, tmp_path: Path, tier_secret_env: str) -> dict[str, Any]:
+        return {"type": "fs", "root": str(tmp_path / "cache"), "direct_io": True, "secret_env": tier_secret_env}
+
+
 class TestFileSystemTierStaged(FsContract):
     @pytest.fixture
     def tier_config(self, tmp_path: Path) -> dict[str, Any]:
@@ -678,7 +686,9 @@ def format_1_directory(root: Path) -> Path:
     """A namespace directory as kvtier_async wrote it before format 2 (header before each payload)."""
     from kvtier_async.tiers.fs.layout import namespace_dir_name
 
-    directory = root / namespace_dir_name("fs-tests")
+    from kvtier_async.block_format import namespace_id
+
+    directory = root / namespace_dir_name(namespace_id("fs-tests"))
     directory.mkdir(parents=True)
     (directory / "NAMESPACE").write_text("fs-tests\n")
     (directory / "LOCK").write_text("process 1 on old-host (python old.py)\n")

@@ -45,6 +45,14 @@ class TestObjectStoreTier(TierContractTests):
         return config(s3_server.endpoint)
 
 
+class TestObjectStoreTierSealed(TierContractTests):
+    capacity_kwarg = None
+
+    @pytest.fixture
+    def tier_config(self, s3_server: servers.S3Server, tier_secret_env: str) -> dict[str, Any]:
+        return config(s3_server.endpoint, secret_env=tier_secret_env)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("limit", [{}, {"max_requests": 4}], ids=["defaults", "four-requests"])
 async def test_256_callers_at_once_fail_nothing_for_our_own_reasons(

@@ -49,6 +49,22 @@ class TestRedisTier(TierContractTests):
         return config(redis_server.url)
 
 
+class TestRedisTierSealed(TierContractTests):
+    capacity_kwarg = None
+
+    @pytest.fixture
+    def tier_config(self, redis_server: servers.RedisServer, tier_secret_env: str) -> dict[str, Any]:
+        return config(redis_server.url, secret_env=tier_secret_env)
+
+
+class TestRedisClusterTierSealed(TierContractTests):
+    capacity_kwarg = None
+
+    @pytest.fixture
+    def tier_config(self, redis_cluster: servers.RedisCluster, tier_secret_env: str) -> dict[str, Any]:
+        return config(redis_cluster.url, cluster=True, secret_env=tier_secret_env)
+
+
 class TestRedisClusterTier(TierContractTests):
     capacity_kwarg = None
 

@@ -25,8 +25,9 @@ from collections.abc import Awaitable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ..block_format import HEADER_BYTES, decode_blocks, encode_blocks, namespace_id
+from ..block_format import block_codec
 from ..errors import ConfigError
+from ..secret import load_tier_secret
 from ..server_gate import QueueTimeout, ServerGate
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
@@ -79,8 +80,14 @@ class ObjectStoreTier(SecondaryTierManager):
         max_retries: int = 3,
         max_requests: int = 64,
         store: Any = None,
+        secret_env: str | None = None,
+        secret_file: str | None = None,
+        secret: object = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
+        tier_secret = load_tier_secret(
+            tier_type, secret_env=secret_env, secret_file=secret_file, secret=secret
+        )
         if not isinstance(bucket, str) or not bucket:
             raise ConfigError("s3 tier: bucket must be a non-empty str")
         if not isinstance(prefix, str) or prefix.startswith("/") or "//" in prefix:
@@ -104,7 +111,9 @@ class ObjectStoreTier(SecondaryTierManager):
             raise ConfigError(f"s3 tier: max_retries must be an int >= 0, got {max_retries!r}")
         if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
             raise ConfigError(f"s3 tier: max_requests must be an int >= 1, got {max_requests!r}")
-        if self.block_nbytes + HEADER_BYTES > MAX_SINGLE_PUT:
+        self.codec = block_codec(offloading_spec.namespace, tier_secret)
+        self.value_nbytes = self.codec.value_nbytes(self.block_nbytes)
+        if self.value_nbytes > MAX_SINGLE_PUT:
             raise ConfigError(
                 f"s3 tier: a block of {self.block_nbytes} bytes is past the 5 GiB of an object in one PUT"
             )
@@ -124,16 +133,15 @@ class ObjectStoreTier(SecondaryTierManager):
         self._allow_http = allow_http
         self._max_retries = max_retries
         self._store = store
-        self._namespace = namespace_id(offloading_spec.namespace)
-        parts = [p for p in prefix.strip("/").split("/") if p] + [self._namespace.hex()]
+        parts = [p for p in prefix.strip("/").split("/") if p] + [self.codec.namespace_tag.hex()]
         self._name_prefix = "/".join(parts) + "/"
         # obstore's retries stop within timeout_s; the gate's deadline also bounds a request
         # that hangs anyway, and the wait for a place.
         self.gate = ServerGate(f"{tier_type}/server", max_requests, 1.5 * self.timeout_s)
 
     def object_name(self, key: bytes) -> str:
-        """The object a block is stored as."""
-        return self._name_prefix + key.hex()
+        """The object a block is stored as (its name keyed with a secret)."""
+        return self._name_prefix + self.codec.name(key).hex()
 
     # -- opening ---------------------------------------------------------------------------------
     async def open_backend(self) -> None:
@@ -200,7 +208,9 @@ class ObjectStoreTier(SecondaryTierManager):
         return {
             "bucket": self.bucket,
             "endpoint": self.endpoint,
+            "sealed": self.codec.sealed,
             "corrupt_blocks": self.counters["corrupt_blocks"],
+            "unauthenticated_blocks": self.counters["unauthenticated_blocks"],
             "request_failures": self.counters["request_failures"],
             "server_gate": self.gate.stats(),
         }
@@ -210,7 +220,7 @@ class ObjectStoreTier(SecondaryTierManager):
     async def _put(self, key: bytes, block: memoryview) -> None:
         import obstore
 
-        [value] = await self.run_cpu(self.block_nbytes, encode_blocks, [key], [block], self._namespace)
+        [value] = await self.run_cpu(self.block_nbytes, self.codec.encode_values, [key], [block])
         await self._request(obstore.put_async(self._store, self.object_name(key), value, use_multipart=False))
 
     async def _get_into(self, key: bytes, block: memoryview) -> bool:
@@ -218,16 +228,22 @@ class ObjectStoreTier(SecondaryTierManager):
         value = await self._request(self._get(key))
         if value is None:
             return False
-        [ok] = await self.run_cpu(self.block_nbytes, decode_blocks, [key], [value], [block], self._namespace)
-        self.counters["corrupt_blocks"] += not ok
+        [ok] = await self.run_cpu(self.block_nbytes, self.codec.decode_values, [key], [value], [block])
+        self.counters[self.codec.failure_counter] += not ok
         return ok
 
     async def _get(self, key: bytes) -> Any:
+        """The object's bytes (None: absent; b"": not of our values' length, left unread). A
+        ranged GET: a byte more than our values hold at most, whatever the bucket holds."""
         import obstore
         from obstore.exceptions import NotFoundError
 
         try:
-            result = await obstore.get_async(self._store, self.object_name(key))
+            result = await obstore.get_async(
+                self._store, self.object_name(key), options={"range": (0, self.value_nbytes + 1)}
+            )
+            if result.meta["size"] != self.value_nbytes:
+                return b""
             return await result.bytes_async()
         except (NotFoundError, FileNotFoundError):
             return None

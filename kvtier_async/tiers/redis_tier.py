@@ -44,15 +44,15 @@ from urllib.parse import urlsplit, urlunsplit
 from ..block_format import (
     HEADER_BYTES,
     CorruptBlockError,
-    decode_blocks,
-    encode_blocks,
+    block_codec,
     encode_headers,
-    namespace_id,
     payload_hasher,
     verify_header,
 )
+from ..buffers import new_buffer
 from ..coalesce import Coalescer
 from ..errors import ConfigError
+from ..secret import load_tier_secret
 from ..server_gate import ServerGate
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
@@ -121,8 +121,14 @@ class RedisTier(SecondaryTierManager):
         max_connections: int = 32,
         socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES,
         client: Any = None,
+        secret_env: str | None = None,
+        secret_file: str | None = None,
+        secret: object = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
+        tier_secret = load_tier_secret(
+            tier_type, secret_env=secret_env, secret_file=secret_file, secret=secret
+        )
         if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
             raise ConfigError("redis tier: url must be a redis://, rediss:// or unix:// URL")
         if not isinstance(cluster, bool):
@@ -144,7 +150,8 @@ class RedisTier(SecondaryTierManager):
                 f"redis tier: socket_buffer_bytes must be an int >= 4096 or None, got {socket_buffer_bytes!r}"
             )
         self._socket_buffer_bytes = socket_buffer_bytes
-        self.value_nbytes = HEADER_BYTES + self.block_nbytes
+        self.codec = block_codec(offloading_spec.namespace, tier_secret)
+        self.value_nbytes = self.codec.value_nbytes(self.block_nbytes)
         if self.value_nbytes > DEFAULT_MAX_VALUE_BYTES:
             raise ConfigError(
                 f"redis tier: a block is stored as a {self.value_nbytes}-byte value, larger than "
@@ -159,20 +166,22 @@ class RedisTier(SecondaryTierManager):
         self._client = client
         self._owns_client = client is None
         self._direct: DirectConnections | None = None  # set up when the tier opens, where it applies
-        self._namespace = namespace_id(offloading_spec.namespace)
+        self._namespace = self.codec.namespace_tag
         self._name_prefix = f"{prefix}:{self._namespace.hex()}:".encode()
         self.gate = ServerGate(f"{tier_type}/server", max_connections, self.timeout_s)
         #: The existence checks of concurrent lookups share pipelines.
         self._exists = Coalescer(self._exists_now, EXISTS_PER_PIPELINE)
-        #: A value read back as ranges: (start, end inclusive) of each.
+        #: A value read back as ranges: (start, end inclusive) of each. The last one asks for a
+        #: byte past our values' length, so a longer value (not one of ours) shows as one, and no
+        #: reply is larger than a range whatever the server holds under the name.
         self._read_ranges = [
-            (start, min(start + READ_PIECE_BYTES, self.value_nbytes) - 1)
+            (start, min(start + READ_PIECE_BYTES, self.value_nbytes + 1) - 1)
             for start in range(0, self.value_nbytes, READ_PIECE_BYTES)
         ]
 
     def value_name(self, key: bytes) -> bytes:
-        """The Redis key a block is stored under."""
-        return self._name_prefix + key.hex().encode()
+        """The Redis key a block is stored under (keyed with a secret)."""
+        return self._name_prefix + self.codec.name(key).hex().encode()
 
     # -- opening and closing -------------------------------------------------------------------
     async def open_backend(self) -> None:
@@ -240,15 +249,20 @@ class RedisTier(SecondaryTierManager):
         # docstring inherited
         names = [self.value_name(key) for key in keys]
         await self._ready()
-        if self._direct is not None:  # the header, then the block's own memory
+        if self._direct is not None and not self.codec.sealed:  # the header, then the block's memory
             nbytes = len(keys) * self.block_nbytes
             headers = await self.run_cpu(nbytes, encode_headers, list(keys), list(blocks), self._namespace)
             values = [[header, block] for header, block in zip(headers, blocks)]
             replies = await self.gate.call(self._direct.set_from(names, values, self._ttl_ms))
             stored = [reply == "OK" for reply in replies]
+        elif self._direct is not None:  # sealed: each value built whole, then sent as it is
+            nbytes = len(keys) * self.value_nbytes
+            sealed = await self.run_cpu(nbytes, self.codec.encode_values, list(keys), list(blocks))
+            replies = await self.gate.call(self._direct.set_from(names, [[v] for v in sealed], self._ttl_ms))
+            stored = [reply == "OK" for reply in replies]
         else:  # redis-py sends a value as one buffer
             nbytes = len(keys) * self.value_nbytes
-            joined = await self.run_cpu(nbytes, encode_blocks, list(keys), list(blocks), self._namespace)
+            joined = await self.run_cpu(nbytes, self.codec.encode_values, list(keys), list(blocks))
 
             def send(pipe: Any) -> None:
                 for name, value in zip(names, joined):
@@ -278,12 +292,9 @@ class RedisTier(SecondaryTierManager):
         ranges = self._read_ranges
 
         def send(pipe: Any) -> None:
-            for name in names:
-                if len(ranges) == 1:
-                    pipe.get(name)
-                else:
-                    for start, end in ranges:
-                        pipe.getrange(name, start, end)
+            for name in names:  # never a whole GET: the server may hold anything under the name
+                for start, end in ranges:
+                    pipe.getrange(name, start, end)
 
         replies = await self._pipeline(send)
         # Per block, its pieces; a block none of whose pieces came back is absent (not corrupt).
@@ -292,18 +303,30 @@ class RedisTier(SecondaryTierManager):
             for i in range(0, len(replies), len(ranges))
         ]
         nbytes = len(keys) * self.value_nbytes
-        ok = await self.run_cpu(nbytes, decode_blocks, list(keys), values, list(blocks), self._namespace)
-        self.counters["corrupt_blocks"] += sum(
+        ok = await self.run_cpu(nbytes, self.codec.decode_values, list(keys), values, list(blocks))
+        self.counters[self.codec.failure_counter] += sum(
             1 for pieces, good in zip(values, ok) if not good and any(p is not None for p in pieces)
         )
         return ok
 
     async def _read_direct(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
-        """Each value's header into a buffer of its own, its payload straight into the block."""
-        assert self._direct is not None
+        """Each value's header into a buffer of its own, its payload straight into the block;
+        sealed, each value into a buffer of its own, opened into the block."""
+        if self._direct is None:
+            raise RuntimeError("_read_direct without direct connections")
+        names = [self.value_name(key) for key in keys]
+        if self.codec.sealed:
+            values = [new_buffer(self.value_nbytes) for _ in keys]
+            replies = await self.gate.call(self._direct.get_into(names, [[v] for v in values]))
+            landed = [v if r is True else None for r, v in zip(replies, values)]
+            nbytes = len(keys) * self.value_nbytes
+            ok = await self.run_cpu(nbytes, self.codec.decode_values, list(keys), landed, list(blocks))
+            self.counters[self.codec.failure_counter] += sum(
+                (r is True and not g) or r is False for r, g in zip(replies, ok)
+            )
+            return ok
         headers = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
         targets = [[header, block] for header, block in zip(headers, blocks)]
-        names = [self.value_name(key) for key in keys]
         replies = await self.gate.call(self._direct.get_into(names, targets))
         # True: the value landed whole. False: a value of another length (not one of ours).
         # None: no such value. An error (a value of another type): not ours either, a miss.
@@ -364,7 +387,9 @@ class RedisTier(SecondaryTierManager):
         return {
             "url": self.where,
             "cluster": self.cluster,
+            "sealed": self.codec.sealed,
             "corrupt_blocks": self.counters["corrupt_blocks"],
+            "unauthenticated_blocks": self.counters["unauthenticated_blocks"],
             "writes_refused": self.counters["writes_refused"],
             "server_gate": self.gate.stats(),
             "existence_checks": {"calls": self._exists.calls, "pipelines": self._exists.requests},

@@ -49,7 +49,6 @@ from pathlib import Path
 
 import xxhash
 
-from ...block_format import namespace_id
 from ...errors import KVTierError, NamespaceInUseError
 
 __all__ = [
@@ -82,8 +81,9 @@ FLAG_DELETED = 1
 SLAB_RE = re.compile(r"^slab-(\d+)-(\d+)\.(kvs|idx)$")
 
 
-def namespace_dir_name(namespace: str) -> str:
-    return "kvtier-" + namespace_id(namespace).hex()
+def namespace_dir_name(namespace_tag: bytes) -> str:
+    """The directory of a namespace, by its tag (`block_format.BlockCodec.namespace_tag`)."""
+    return "kvtier-" + namespace_tag.hex()
 
 
 def record_bytes_for(block_nbytes: int) -> int:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...block_format import BlockSealer, block_codec
+from ...buffers import address_of as buffer_address
 from ...errors import ConfigError
 from ...keys import check_keys
+from ...secret import load_tier_secret
 from ...spec import OffloadingSpec
 from ...tier import SecondaryTierManager
 from ...workers import wait_uncancellable
@@ -32,6 +35,7 @@ from .index import OtherSlab, OwnSlab, Record, SlabIndex
 from .layout import ENTRY, namespace_dir_name, record_bytes_for
 from .records import ReadJob, RecordIO, WriteJob
 from .room import Room
+from .sealed_slots import SealedSlots
 from .slab_files import DEFAULT_CAPACITY_BYTES, SlabFiles, close_fd
 from .staging import STAGE_BYTES, address_of, pages_scattered
 
@@ -40,6 +44,12 @@ __all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_REFRESH_INTERVAL_S", "FileSystemTi
 
 #: Default `refresh_interval_s`: how stale this process's view of other processes' blocks may be.
 DEFAULT_REFRESH_INTERVAL_S = 0.05
+
+#: With a secret, the memory records are sealed and opened in at most (at least a batch).
+SEALED_SLOTS_BYTES = 256 << 20
+
+#: What a sealed namespace's NAMESPACE file says: its name is not written in clear.
+SEALED_NAMESPACE_LABEL = "(sealed: the name is known only with the secret)"
 
 
 class FileSystemTier(SecondaryTierManager):
@@ -61,6 +71,8 @@ class FileSystemTier(SecondaryTierManager):
             (see `staging`), where direct I/O runs far below the disk's speed.
         refresh_interval_s: a lookup that misses reads the other processes' new index
             entries if the last such read is older than this; `refresh()` reads them now.
+        secret_env, secret_file: where the tier secret is (`secret`): records are then sealed
+            (AES-256-GCM) and the index and directory names keyed; see the security page.
     """
 
     def __init__(
@@ -75,11 +87,22 @@ class FileSystemTier(SecondaryTierManager):
         fsync: bool = False,
         staging: bool | str = "auto",
         refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
+        secret_env: str | None = None,
+        secret_file: str | None = None,
+        secret: object = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         if not isinstance(root, (str, os.PathLike)) or not str(root):
             raise ConfigError(f"fs tier: root must be a directory path, got {root!r}")
-        self.record_bytes = record_bytes_for(offloading_spec.block_nbytes)
+        tier_secret = load_tier_secret(
+            tier_type, secret_env=secret_env, secret_file=secret_file, secret=secret
+        )
+        self.codec = block_codec(offloading_spec.namespace, tier_secret)
+        #: What a record holds: the block's bytes, or with a secret its sealed value.
+        self.stored_nbytes = (
+            self.codec.value_nbytes(self.block_nbytes) if self.codec.sealed else self.block_nbytes
+        )
+        self.record_bytes = record_bytes_for(self.stored_nbytes)
         if capacity_bytes is not None and (
             isinstance(capacity_bytes, bool)
             or not isinstance(capacity_bytes, int)
@@ -104,21 +127,36 @@ class FileSystemTier(SecondaryTierManager):
                 f"fs tier: refresh_interval_s must be a number of seconds >= 0, got {refresh_interval_s!r}"
             )
         self.root = Path(root)
-        self.directory = self.root / namespace_dir_name(offloading_spec.namespace)
+        self.directory = self.root / namespace_dir_name(self.codec.namespace_tag)
         self.requested_capacity = capacity_bytes
         self.direct_io_requested = direct_io
         self.staging_requested = staging
         self.refresh_interval_s = float(refresh_interval_s)
         self.files = SlabFiles(
             self.root,
-            offloading_spec.namespace,
+            SEALED_NAMESPACE_LABEL if self.codec.sealed else offloading_spec.namespace,
             self.directory,
-            self.block_nbytes,
+            self.stored_nbytes,
             self.record_bytes,
             fsync=fsync,
         )
         self.index = SlabIndex(self.record_bytes)  # touched on the event-loop thread only
-        self.records = RecordIO(self.files, self.primary_kv_view, self.index.own, self.fault_log)
+        #: With a secret, records move through these slots (sealed there), not the primary's.
+        self.sealed_slots: SealedSlots | None = None
+        records_view = self.primary_kv_view
+        if self.codec.sealed:
+            limits = offloading_spec.limits
+            count = max(
+                limits.batch_blocks,
+                min(limits.io_threads * limits.batch_blocks, SEALED_SLOTS_BYTES // self.record_bytes),
+            )
+            self.sealed_slots = SealedSlots(count, self.record_bytes)
+            records_view = self.sealed_slots.view
+        self._records_base = buffer_address(records_view)
+        #: With a secret: the keys behind the names this process stored or found, so that the
+        #: tier tells its removal listeners of keys, not names.
+        self._keys_of_names: dict[bytes, bytes] = {}
+        self.records = RecordIO(self.files, records_view, self.index.own, self.fault_log)
         self.room = Room(self.index, self.files, self.counters, self.fault_log)
         self.following = Following(self.index, self.files, self.room, self.refresh_interval_s)
 
@@ -153,10 +191,10 @@ class FileSystemTier(SecondaryTierManager):
         """Worker thread: open the namespace's files, make the staging buffers if staging, and
         size how far ahead of the stores in flight a slab is claimed."""
         self.files.open(self.direct_io_requested, self.requested_capacity)
-        if self.primary_base % 4096:
+        if self._records_base % 4096:
             self.files.direct_io = False  # O_DIRECT needs aligned memory; a foreign view may not be
         if self.staging_requested == "auto":
-            staging = self.direct_io and pages_scattered(self.primary_kv_view) is True
+            staging = self.direct_io and pages_scattered(self.records.view) is True
         else:
             staging = self.direct_io and bool(self.staging_requested)
         if staging:
@@ -192,11 +230,75 @@ class FileSystemTier(SecondaryTierManager):
                 await self.following.refresh()
 
     def _slot_offset(self, block: memoryview) -> int:
-        return address_of(block) - self.primary_base
+        return address_of(block) - self._records_base
 
     # -- hooks ---------------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
+        if not isinstance(self.codec, BlockSealer):
+            return await self._write_records(keys, blocks)
+        sealer, results = self.codec, []
+        for start in range(0, len(keys), self._slots().count):
+            end = start + self._slots().count
+            part_keys, part_blocks = keys[start:end], blocks[start:end]
+            async with self._sealed(len(part_keys)) as sealed:
+                await self.run_cpu(
+                    len(part_keys) * self.stored_nbytes, _seal, sealer, part_keys, part_blocks, sealed
+                )
+                names = [sealer.name(key) for key in part_keys]
+                written = await self._write_records(names, sealed)
+            self._keys_of_names.update((name, key) for name, key, ok in zip(names, part_keys, written) if ok)
+            results += written
+        return results
+
+    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        # docstring inherited
+        if not isinstance(self.codec, BlockSealer):
+            return await self._read_records(keys, blocks)
+        sealer, results = self.codec, []
+        for start in range(0, len(keys), self._slots().count):
+            end = start + self._slots().count
+            part_keys, part_blocks = keys[start:end], blocks[start:end]
+            async with self._sealed(len(part_keys)) as sealed:
+                names = [sealer.name(key) for key in part_keys]
+                found = await self._read_records(names, sealed)
+                nbytes = found.count(True) * self.stored_nbytes
+                opened = await self.run_cpu(nbytes, _open, sealer, part_keys, part_blocks, sealed, found)
+            self.counters["unauthenticated_blocks"] += sum(f and not o for f, o in zip(found, opened))
+            self._keys_of_names.update((name, key) for name, key, ok in zip(names, part_keys, opened) if ok)
+            results += opened
+        return results
+
+    def _slots(self) -> SealedSlots:
+        if self.sealed_slots is None:
+            raise RuntimeError("fs tier: sealed slots without a secret")
+        return self.sealed_slots
+
+    @contextlib.asynccontextmanager
+    async def _sealed(self, count: int) -> AsyncIterator[list[memoryview]]:
+        """`count` sealed slots (each `stored_nbytes`), given back when the block ends: by then
+        the records' I/O into them has finished (their worker-thread work is awaited to the end)."""
+        slots = self._slots()
+        taken = await slots.take(count)
+        try:
+            yield [slots.slot(i, self.stored_nbytes) for i in taken]
+        finally:
+            slots.give(taken)
+
+    def _names(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The names `keys` are kept under in the index (themselves, or keyed with a secret)."""
+        return [self.codec.name(key) for key in keys] if self.codec.sealed else list(keys)
+
+    def _removed(self, names: list[bytes]) -> None:
+        """Tell the listeners of the keys behind `names`, which this tier no longer holds."""
+        if not self.codec.sealed:
+            self.notify_removed(names)
+            return
+        keys = [self._keys_of_names.pop(name) for name in names if name in self._keys_of_names]
+        self.notify_removed(keys)
+
+    async def _write_records(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        """`write_blocks` of index keys (names) and blocks in the records' memory."""
         index = self.index
         results = [False] * len(keys)
         jobs: list[tuple[int, bytes, Record, bool]] = []
@@ -213,7 +315,7 @@ class FileSystemTier(SecondaryTierManager):
                     continue
                 where, deletion, evicted = taken
                 if evicted is not None:
-                    self.notify_removed([evicted])
+                    self._removed([evicted])
                 jobs.append((i, key, where, deletion))
             if not jobs:
                 return results
@@ -244,8 +346,8 @@ class FileSystemTier(SecondaryTierManager):
             self.room.out_of_space()
         return results
 
-    async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
-        # docstring inherited
+    async def _read_records(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        """`read_blocks` of index keys (names) into blocks in the records' memory."""
         await self.following.refresh_if_missing(keys)
         index = self.index
         jobs: list[tuple[int, bytes, Record, OwnSlab | OtherSlab]] = []
@@ -279,7 +381,7 @@ class FileSystemTier(SecondaryTierManager):
                 corrupt.append((key, where))
             else:  # its writer rewrote it after we read the log: our entry was stale
                 self.counters["stale_blocks"] += 1
-            self.notify_removed([key])
+            self._removed([key])
         if corrupt:
             await self.run_blocking(self.records.log_deletions, corrupt)
         return results
@@ -290,39 +392,46 @@ class FileSystemTier(SecondaryTierManager):
         check_keys(keys)
         if self._closed:
             return [False] * len(keys)
-        return [self.index.hold(key) for key in keys]
+        return [self.index.hold(name) for name in self._names(keys)]
 
     def release(self, keys: Sequence[bytes]) -> None:
         # docstring inherited
-        for key in keys:
-            self.index.release(key)
+        for name in self._names(keys):
+            self.index.release(name)
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited
         if not await self._ensure_open():
             return [False] * len(keys)
-        await self.following.refresh_if_missing(keys)
-        return [key in self.index.where for key in keys]
+        names = self._names(keys)
+        await self.following.refresh_if_missing(names)
+        found = [name in self.index.where for name in names]
+        if self.codec.sealed:
+            self._keys_of_names.update((name, key) for name, key, ok in zip(names, keys, found) if ok)
+        return found
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         # docstring inherited
         if not await self._ensure_open():
             return 0
         dropped = []
-        for key in keys:
-            where = self.index.where.get(key)
+        for name in self._names(keys):
+            where = self.index.where.get(name)
             if where is None:
                 continue
-            dropped.append((key, where))
+            dropped.append((name, where))
             self.index.forget(where)
         if dropped:
-            self.notify_removed([key for key, _ in dropped])
+            self._removed([name for name, _ in dropped])
             await self.run_blocking(self.records.log_deletions, dropped)
         return len(dropped)
 
     def backend_stats(self) -> dict[str, Any]:
         return {
             "root": str(self.root),
+            "sealed": self.codec.sealed,
+            "sealed_slot_bytes": 0 if self.sealed_slots is None else self.sealed_slots.nbytes,
+            "unauthenticated_blocks": self.counters["unauthenticated_blocks"],
             "blocks": len(self.index.where),
             "own_blocks": self.index.own_blocks(),
             "used_bytes": self.index.used_bytes(),
@@ -341,3 +450,24 @@ class FileSystemTier(SecondaryTierManager):
             "out_of_space": self.counters["out_of_space"],
             "disk_full": self.room.disk_full,
         }
+
+
+def _seal(
+    sealer: BlockSealer, keys: Sequence[bytes], blocks: Sequence[memoryview], into: list[memoryview]
+) -> None:
+    """CPU thread: each block's sealed value into its slot."""
+    for key, block, slot in zip(keys, blocks, into):
+        sealer.seal_into(slot, block, key)
+
+
+def _open(
+    sealer: BlockSealer,
+    keys: Sequence[bytes],
+    blocks: Sequence[memoryview],
+    sealed: list[memoryview],
+    found: list[bool],
+) -> list[bool]:
+    """CPU thread: each found record opened into its block; False where it does not authenticate."""
+    return [
+        f and sealer.open_into(block, value, key) for key, block, value, f in zip(keys, blocks, sealed, found)
+    ]

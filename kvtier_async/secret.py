@@ -1,0 +1,93 @@
+"""A tier's secret: where it comes from, and the checks it passes before any tier uses it.
+
+A persistent tier (fs, redis, s3) shared between tenants takes `"secret_env": NAME` (an
+environment variable holding it) or `"secret_file": PATH` (a file that belongs to the user and
+that nobody else may read or write, as ssh insists for keys). Never inline: a tier config ends
+up in an engine's argv, its start-up log and its config dumps. `kvtier secret new` prints a
+fresh one. What the secret does is `block_format.BlockSealer`'s business.
+
+The secret itself never appears in an exception, a log line, `repr` or `stats()`: errors name
+the variable or the file, never the value.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+
+from .errors import ConfigError
+
+__all__ = ["MIN_SECRET_BYTES", "load_tier_secret", "new_secret"]
+
+#: A secret shorter than this is refused: 32 bytes of a fresh one are 256 bits.
+MIN_SECRET_BYTES = 32
+#: A secret file longer than this is not one (read no further).
+MAX_SECRET_FILE_BYTES = 4096
+
+
+def new_secret() -> str:
+    """A fresh secret: 32 random bytes as 64 hex digits (256 bits)."""
+    return secrets.token_hex(32)
+
+
+def load_tier_secret(
+    tier: str, *, secret_env: object = None, secret_file: object = None, secret: object = None
+) -> bytes | None:
+    """The secret a tier config names, or None when it names none; a `ConfigError` for an inline
+    secret, both sources at once, a missing or unsafe source, or a secret under 32 bytes."""
+    if secret is not None:
+        raise ConfigError(
+            f"{tier} tier: an inline 'secret' is refused: tier configs land in argv and logs. "
+            "Put it in an environment variable ('secret_env': NAME) or a file only you can read "
+            "('secret_file': PATH); `kvtier secret new` prints a fresh one"
+        )
+    if secret_env is not None and secret_file is not None:
+        raise ConfigError(f"{tier} tier: give 'secret_env' or 'secret_file', not both")
+    if secret_env is not None:
+        if not isinstance(secret_env, str) or not secret_env:
+            raise ConfigError(f"{tier} tier: secret_env must name an environment variable")
+        raw = os.environb.get(os.fsencode(secret_env))
+        if raw is None:
+            raise ConfigError(f"{tier} tier: the environment variable {secret_env!r} (secret_env) is not set")
+        return _checked(tier, raw.strip(), f"environment variable {secret_env!r}")
+    if secret_file is not None:
+        if not isinstance(secret_file, (str, os.PathLike)) or not os.fspath(secret_file):
+            raise ConfigError(f"{tier} tier: secret_file must be a file path")
+        return _checked(tier, _read_secret_file(tier, os.fspath(secret_file)), f"file {secret_file!s}")
+    return None
+
+
+def _checked(tier: str, raw: bytes, source: str) -> bytes:
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{tier} tier: the secret in the {source} is shorter than {MIN_SECRET_BYTES} bytes; "
+            "`kvtier secret new` prints one long enough"
+        )
+    return raw
+
+
+def _read_secret_file(tier: str, path: str) -> bytes:
+    """The file's bytes, stripped; it must be a regular file of ours that no one else may read
+    or write, reached without following a symlink at its last component."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{tier} tier: cannot open secret_file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{tier} tier: secret_file {path} is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise ConfigError(f"{tier} tier: secret_file {path} belongs to another user")
+        if info.st_mode & 0o077:
+            raise ConfigError(
+                f"{tier} tier: secret_file {path} is open to group or others "
+                f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it"
+            )
+        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{tier} tier: secret_file {path} is longer than {MAX_SECRET_FILE_BYTES} bytes")
+    return data.strip()
