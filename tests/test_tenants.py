@@ -1,0 +1,315 @@
+"""Tenants sharing one Redis server, bucket or fs root: with a tier secret, whoever can read or
+write the store (but lacks the secret) learns nothing from names or values and cannot make a
+tier load bytes they chose. Each attack runs against the real server or file system."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import obstore
+import pytest
+import pytest_asyncio
+import redis.asyncio
+import servers
+from obstore.store import S3Store
+
+import kvtier_async as kt
+import kvtier_async.tiers.fs
+import kvtier_async.tiers.object_store
+import kvtier_async.tiers.redis_tier  # imported up front: a first import reads files
+from kvtier_async.block_format import encode_block, namespace_id, payload_checksum
+from kvtier_async.secret import new_secret
+from kvtier_async.testing import make_key
+from kvtier_async.tiers.fs.layout import encode_entry, read_log
+
+NAMESPACE = "tenant-a/llama-3-8b"
+BLOCK = 2 * 4096 + 136
+SLOTS = 16
+
+
+class RawStore(Protocol):
+    """The store as an attacker with read and write access sees it (no secret)."""
+
+    async def items(self) -> dict[bytes, bytes]: ...
+
+    async def put(self, name: bytes, value: bytes) -> None: ...
+
+
+class RedisRaw:
+    def __init__(self, url: str, prefix: str, cluster: bool) -> None:
+        if cluster:
+            self.client: Any = redis.asyncio.RedisCluster.from_url(url)
+        else:
+            self.client = redis.asyncio.Redis.from_url(url, driver_info=None)
+        self.prefix = prefix.encode()
+
+    async def items(self) -> dict[bytes, bytes]:
+        names = [name async for name in self.client.scan_iter(match=self.prefix + b"*")]
+        return {name: await self.client.get(name) for name in names}
+
+    async def put(self, name: bytes, value: bytes) -> None:
+        await self.client.set(name, value)
+
+
+class S3Raw:
+    def __init__(self, endpoint: str, prefix: str) -> None:
+        self.store = S3Store(
+            servers.S3_BUCKET,
+            config={**servers.S3_CREDENTIALS, "endpoint": endpoint, "region": "us-east-1"},
+            client_options={"allow_http": True},
+        )
+        self.prefix = prefix
+
+    async def items(self) -> dict[bytes, bytes]:
+        out = {}
+        async for batch in obstore.list(self.store, prefix=self.prefix):
+            for meta in batch:
+                got = await obstore.get_async(self.store, meta["path"])
+                out[meta["path"].encode()] = bytes(await got.bytes_async())
+        return out
+
+    async def put(self, name: bytes, value: bytes) -> None:
+        await obstore.put_async(self.store, name.decode(), value)
+
+
+@pytest.fixture(params=["redis", "redis-cluster", "s3"])
+def shared(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], RawStore]:
+    """A shared store's tier config (no secret yet) and the raw view of it."""
+    prefix = f"tenants-{uuid.uuid4().hex[:12]}"
+    if request.param == "s3":
+        server: Any = request.getfixturevalue("s3_server")
+        config = {
+            "type": "s3",
+            "bucket": servers.S3_BUCKET,
+            "prefix": prefix,
+            "endpoint": server.endpoint,
+            "allow_http": True,
+            **servers.S3_CREDENTIALS,
+        }
+        return config, S3Raw(server.endpoint, prefix)
+    cluster = request.param == "redis-cluster"
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    return {"type": "redis", "url": server.url, "cluster": cluster, "prefix": prefix}, RedisRaw(
+        server.url, prefix, cluster
+    )
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    cluster = servers.RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def secrets_env(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    monkeypatch.setenv("KVTIER_TENANT_A", new_secret())
+    monkeypatch.setenv("KVTIER_TENANT_B", new_secret())
+    return "KVTIER_TENANT_A", "KVTIER_TENANT_B"
+
+
+@pytest.fixture
+def spec() -> kt.OffloadingSpec:
+    return kt.OffloadingSpec(block_nbytes=BLOCK, num_cpu_blocks=SLOTS, namespace=NAMESPACE)
+
+
+@pytest_asyncio.fixture
+async def primary(spec: kt.OffloadingSpec) -> AsyncIterator[kt.PrimaryTier]:
+    yield kt.PrimaryTier(spec, pin_memory=False)
+
+
+def make_tier(config: dict[str, Any], primary: kt.PrimaryTier, spec: kt.OffloadingSpec) -> Any:
+    return kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec)
+
+
+def fill(primary: kt.PrimaryTier, slots: range) -> list[bytes]:
+    payloads = []
+    for slot in slots:
+        data = os.urandom(BLOCK)
+        primary.slot_view(slot)[:] = data
+        payloads.append(data)
+    return payloads
+
+
+def read(primary: kt.PrimaryTier, slots: range) -> list[bytes]:
+    return [bytes(primary.slot_view(slot)) for slot in slots]
+
+
+def assert_nothing_in_clear(stored: dict[bytes, bytes], keys: list[bytes], payloads: list[bytes]) -> None:
+    """No name or value holds the namespace id, a key, or any 64-byte run of a payload."""
+    ns = namespace_id(NAMESPACE)
+    assert stored
+    for name, value in stored.items():
+        for secret_bit in (ns, ns.hex().encode(), *keys, *(k.hex().encode() for k in keys)):
+            assert secret_bit not in name and secret_bit not in value
+        for payload in payloads:
+            # Any run of the payload in clear holds a 64-byte piece at a multiple of 64 of it.
+            assert not any(payload[i : i + 64] in value for i in range(0, len(payload) - 63, 64))
+
+
+def name_of(tier: Any, key: bytes) -> bytes:
+    """The name a Redis or S3 tier stores `key` under, as the raw store lists it."""
+    if hasattr(tier, "value_name"):
+        return bytes(tier.value_name(key))
+    return str(tier.object_name(key)).encode()
+
+
+@pytest.mark.asyncio
+async def test_shared_store_with_a_secret(
+    shared: tuple[dict[str, Any], RawStore],
+    secrets_env: tuple[str, str],
+    spec: kt.OffloadingSpec,
+    primary: kt.PrimaryTier,
+) -> None:
+    base, raw = shared
+    env_a, env_b = secrets_env
+    keys = [make_key(i) for i in range(4)]
+    async with make_tier({**base, "secret_env": env_a}, primary, spec) as tier_a:
+        payloads = fill(primary, range(4))
+        assert await tier_a.store(keys, list(range(4))) == [True] * 4
+        stored = await raw.items()
+        assert len(stored) == 4
+        assert_nothing_in_clear(stored, keys, payloads)
+
+        # Another tenant: same server, prefix, namespace and keys, another secret.
+        async with make_tier({**base, "secret_env": env_b}, primary, spec) as tier_b:
+            assert await tier_b.lookup(keys) == 0
+            assert await tier_b.load(keys, list(range(8, 12))) == [False] * 4
+            fill(primary, range(4, 8))
+            assert await tier_b.store(keys, list(range(4, 8))) == [True] * 4
+        # ...and a tier without a secret sees none of it.
+        async with make_tier(base, primary, spec) as plain:
+            assert await plain.lookup(keys) == 0
+            assert await plain.load(keys, list(range(8, 12))) == [False] * 4
+        assert await tier_a.load(keys, list(range(8, 12))) == [True] * 4
+        assert read(primary, range(8, 12)) == payloads
+
+        # An attacker with write access: swap two values, flip a byte of a third, and put a
+        # block in the no-secret format (checksums right) under the fourth's name.
+        names = sorted(name for name in stored)
+        by_name = {name: value for name, value in stored.items()}
+        a, b, c, d = names
+        await raw.put(a, by_name[b])
+        await raw.put(b, by_name[a])
+        flipped = bytearray(by_name[c])
+        flipped[len(flipped) // 2] ^= 1
+        await raw.put(c, bytes(flipped))
+        forged = os.urandom(BLOCK)
+        d_key = next(k for k in keys if name_of(tier_a, k) == d)
+        await raw.put(d, bytes(encode_block(memoryview(forged), namespace=namespace_id(NAMESPACE), key=d_key)))
+        before = tier_a.stats()["unauthenticated_blocks"]
+        for key in keys:
+            assert await tier_a.load([key], [12]) == [False]
+            assert bytes(primary.slot_view(12)) != forged
+        assert tier_a.stats()["unauthenticated_blocks"] - before == 4
+
+
+@pytest.mark.asyncio
+async def test_shared_fs_root_with_a_secret(
+    tmp_path: Path, secrets_env: tuple[str, str], spec: kt.OffloadingSpec, primary: kt.PrimaryTier
+) -> None:
+    env_a, env_b = secrets_env
+    base = {"type": "fs", "root": str(tmp_path / "root")}
+    keys = [make_key(i) for i in range(4)]
+    async with make_tier({**base, "secret_env": env_a}, primary, spec) as tier_a:
+        payloads = fill(primary, range(4))
+        assert await tier_a.store(keys, list(range(4))) == [True] * 4
+        directory = tier_a.directory
+        record_bytes, stored_nbytes = tier_a.record_bytes, tier_a.stored_nbytes
+    files = await asyncio.to_thread(lambda: {p.name.encode(): p.read_bytes() for p in directory.iterdir()})
+    files[directory.name.encode()] = b""
+    assert_nothing_in_clear(files, keys, payloads)
+    assert NAMESPACE.encode() not in b"".join(files.values())
+
+    async with make_tier({**base, "secret_env": env_b}, primary, spec) as tier_b:
+        assert await tier_b.lookup(keys) == 0
+        fill(primary, range(4, 8))
+        assert await tier_b.store(keys, list(range(4, 8))) == [True] * 4
+    async with make_tier(base, primary, spec) as plain:
+        assert await plain.lookup(keys) == 0
+
+    # An attacker who can write the root rewrites records *and* their index entries, so the
+    # index's checksums pass: swap two records, flip a byte of a third, put plain bytes in a fourth.
+    await asyncio.to_thread(tamper, directory, record_bytes, stored_nbytes)
+    async with make_tier({**base, "secret_env": env_a}, primary, spec) as again:
+        assert await again.lookup(keys) == 4  # the names are there...
+        assert await again.load(keys, list(range(8, 12))) == [False] * 4  # ...the blocks are not
+        assert again.stats()["unauthenticated_blocks"] == 4
+
+
+def tamper(directory: Path, record_bytes: int, stored_nbytes: int) -> None:
+    [data] = directory.glob("slab-*.kvs")
+    log = data.with_suffix(".idx")
+    entries, _, _ = read_log(log)
+    live = {e.record: e for e in entries if not e.deleted}
+    assert len(live) == 4
+    r = sorted(live)
+    with open(data, "r+b") as f:
+        records = {}
+        for n in r:
+            f.seek(n * record_bytes)
+            records[n] = f.read(record_bytes)
+        flipped = bytearray(records[r[2]])
+        flipped[100] ^= 1
+        new = {r[0]: records[r[1]], r[1]: records[r[0]], r[2]: bytes(flipped)}
+        new[r[3]] = os.urandom(BLOCK).ljust(record_bytes, b"\0")
+        for n, value in new.items():
+            f.seek(n * record_bytes)
+            f.write(value)
+    seq = max(e.seq for e in entries)
+    with open(log, "ab") as f:
+        for i, (n, value) in enumerate(new.items(), 1):
+            f.write(encode_entry(seq + i, n, live[n].key, payload_checksum(value[:stored_nbytes])))
+
+
+@pytest.mark.parametrize("tier_type", ["fs", "redis", "s3"])
+def test_secret_sources_are_checked_and_never_shown(
+    tier_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: kt.OffloadingSpec
+) -> None:
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    base: dict[str, Any] = {
+        "fs": {"type": "fs", "root": str(tmp_path / "root")},
+        "redis": {"type": "redis", "url": "redis://127.0.0.1:1/0"},
+        "s3": {"type": "s3", "bucket": "b"},
+    }[tier_type]
+    value = new_secret()
+    monkeypatch.setenv("KVTIER_SHORT", "x" * 31)
+    monkeypatch.setenv("KVTIER_GOOD", value)
+    good_file = tmp_path / "secret"
+    good_file.write_text(value + "\n")
+    good_file.chmod(0o600)
+    open_file = tmp_path / "open-secret"
+    open_file.write_text(value)
+    open_file.chmod(0o644)
+    link = tmp_path / "link"
+    link.symlink_to(good_file)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    bad = [
+        ({"secret": value}, "inline"),
+        ({"secret_env": "KVTIER_GOOD", "secret_file": str(good_file)}, "not both"),
+        ({"secret_env": "KVTIER_NOT_SET_ANYWHERE"}, "not set"),
+        ({"secret_env": "KVTIER_SHORT"}, "shorter than 32 bytes"),
+        ({"secret_file": str(tmp_path / "missing")}, "cannot open"),
+        ({"secret_file": str(open_file)}, "open to group or others"),
+        ({"secret_file": str(link)}, "cannot open"),
+        ({"secret_file": str(fifo)}, "not a regular file"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(kt.ConfigError, match=message) as caught:
+            make_tier({**base, **extra}, primary, spec)
+        assert value not in str(caught.value) and "x" * 31 not in str(caught.value)
+    for extra in ({"secret_env": "KVTIER_GOOD"}, {"secret_file": str(good_file)}):
+        tier = make_tier({**base, **extra}, primary, spec)
+        assert tier.stats()["sealed"] is True
+        assert value not in repr(tier.stats()) and value not in repr(vars(tier))
