@@ -18,11 +18,11 @@ import stat
 
 from .errors import ConfigError
 
-__all__ = ["MIN_SECRET_BYTES", "load_tier_secret", "new_secret"]
+__all__ = ["MIN_SECRET_BYTES", "load_private_value", "load_tier_secret", "new_secret"]
 
 #: A secret shorter than this is refused: 32 bytes of a fresh one are 256 bits.
 MIN_SECRET_BYTES = 32
-#: A secret file longer than this is not one (read no further).
+#: A secret or password file longer than this is not one (read no further).
 MAX_SECRET_FILE_BYTES = 4096
 
 
@@ -42,52 +42,55 @@ def load_tier_secret(
             "Put it in an environment variable ('secret_env': NAME) or a file only you can read "
             "('secret_file': PATH); `kvtier secret new` prints a fresh one"
         )
-    if secret_env is not None and secret_file is not None:
-        raise ConfigError(f"{tier} tier: give 'secret_env' or 'secret_file', not both")
-    if secret_env is not None:
-        if not isinstance(secret_env, str) or not secret_env:
-            raise ConfigError(f"{tier} tier: secret_env must name an environment variable")
-        raw = os.environb.get(os.fsencode(secret_env))
-        if raw is None:
-            raise ConfigError(f"{tier} tier: the environment variable {secret_env!r} (secret_env) is not set")
-        return _checked(tier, raw.strip(), f"environment variable {secret_env!r}")
-    if secret_file is not None:
-        if not isinstance(secret_file, (str, os.PathLike)) or not os.fspath(secret_file):
-            raise ConfigError(f"{tier} tier: secret_file must be a file path")
-        return _checked(tier, _read_secret_file(tier, os.fspath(secret_file)), f"file {secret_file!s}")
-    return None
-
-
-def _checked(tier: str, raw: bytes, source: str) -> bytes:
-    if len(raw) < MIN_SECRET_BYTES:
+    raw = load_private_value(tier, "secret", env=secret_env, file=secret_file)
+    if raw is not None and len(raw) < MIN_SECRET_BYTES:
         raise ConfigError(
-            f"{tier} tier: the secret in the {source} is shorter than {MIN_SECRET_BYTES} bytes; "
+            f"{tier} tier: the secret is shorter than {MIN_SECRET_BYTES} bytes; "
             "`kvtier secret new` prints one long enough"
         )
     return raw
 
 
-def _read_secret_file(tier: str, path: str) -> bytes:
-    """The file's bytes, stripped; it must be a regular file of ours that no one else may read
-    or write, reached without following a symlink at its last component."""
+def load_private_value(tier: str, what: str, *, env: object = None, file: object = None) -> bytes | None:
+    """A private value (a secret, a password) from the environment variable `env` or the file
+    `file` (`<what>_env` / `<what>_file` in a tier config), stripped of surrounding whitespace;
+    None when neither is given. The file must be a regular file of ours that nobody else may
+    read or write, reached without following a symlink at its last component."""
+    if env is not None and file is not None:
+        raise ConfigError(f"{tier} tier: give '{what}_env' or '{what}_file', not both")
+    if env is not None:
+        if not isinstance(env, str) or not env:
+            raise ConfigError(f"{tier} tier: {what}_env must name an environment variable")
+        raw = os.environb.get(os.fsencode(env))
+        if raw is None:
+            raise ConfigError(f"{tier} tier: the environment variable {env!r} ({what}_env) is not set")
+        return raw.strip()
+    if file is not None:
+        if not isinstance(file, (str, os.PathLike)) or not os.fspath(file):
+            raise ConfigError(f"{tier} tier: {what}_file must be a file path")
+        return _read_private_file(tier, what, os.fspath(file))
+    return None
+
+
+def _read_private_file(tier: str, what: str, path: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(f"{tier} tier: cannot open secret_file {path}: {exc.strerror}") from None
+        raise ConfigError(f"{tier} tier: cannot open {what}_file {path}: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{tier} tier: secret_file {path} is not a regular file")
+            raise ConfigError(f"{tier} tier: {what}_file {path} is not a regular file")
         if info.st_uid != os.geteuid():
-            raise ConfigError(f"{tier} tier: secret_file {path} belongs to another user")
+            raise ConfigError(f"{tier} tier: {what}_file {path} belongs to another user")
         if info.st_mode & 0o077:
             raise ConfigError(
-                f"{tier} tier: secret_file {path} is open to group or others "
+                f"{tier} tier: {what}_file {path} is open to group or others "
                 f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it"
             )
         data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
     finally:
         os.close(fd)
     if len(data) > MAX_SECRET_FILE_BYTES:
-        raise ConfigError(f"{tier} tier: secret_file {path} is longer than {MAX_SECRET_FILE_BYTES} bytes")
+        raise ConfigError(f"{tier} tier: {what}_file {path} is longer than {MAX_SECRET_FILE_BYTES} bytes")
     return data.strip()

@@ -43,7 +43,8 @@ class TestFileSystemTierSealed(FsContract):
 
     @pytest.fixture
     def tier_config(self, tmp_path: Path, tier_secret_env: str) -> dict[str, Any]:
-        return {"type": "fs", "root": str(tmp_path / "cache"), "direct_io": True, "secret_env": tier_secret_env}
+        root = str(tmp_path / "cache")
+        return {"type": "fs", "root": root, "direct_io": True, "secret_env": tier_secret_env}
 
 
 class TestFileSystemTierStaged(FsContract):
@@ -684,9 +685,8 @@ async def test_cancelled_stores_leak_no_room(tmp_path: Path) -> None:
 
 def format_1_directory(root: Path) -> Path:
     """A namespace directory as kvtier_async wrote it before format 2 (header before each payload)."""
-    from kvtier_async.tiers.fs.layout import namespace_dir_name
-
     from kvtier_async.block_format import namespace_id
+    from kvtier_async.tiers.fs.layout import namespace_dir_name
 
     directory = root / namespace_dir_name(namespace_id("fs-tests"))
     directory.mkdir(parents=True)

@@ -206,7 +206,9 @@ async def test_shared_store_with_a_secret(
         await raw.put(c, bytes(flipped))
         forged = os.urandom(BLOCK)
         d_key = next(k for k in keys if name_of(tier_a, k) == d)
-        await raw.put(d, bytes(encode_block(memoryview(forged), namespace=namespace_id(NAMESPACE), key=d_key)))
+        await raw.put(
+            d, bytes(encode_block(memoryview(forged), namespace=namespace_id(NAMESPACE), key=d_key))
+        )
         before = tier_a.stats()["unauthenticated_blocks"]
         for key in keys:
             assert await tier_a.load([key], [12]) == [False]
@@ -313,3 +315,91 @@ def test_secret_sources_are_checked_and_never_shown(
         tier = make_tier({**base, **extra}, primary, spec)
         assert tier.stats()["sealed"] is True
         assert value not in repr(tier.stats()) and value not in repr(vars(tier))
+
+
+PASSWORD = "pa/ss#w@rd?&x=" + uuid.uuid4().hex  # every character a URL parser trips on
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{PASSWORD}@127.0.0.1:6379/0",
+        f"redis://alice:{PASSWORD}@127.0.0.1:6379/0",
+        f"rediss://alice:{PASSWORD}@[::1]:6379/0",
+        f"redis://127.0.0.1:6379/0?password={PASSWORD}",
+        f"redis://127.0.0.1:6379/0?db=0&password={PASSWORD}",
+        f"redis://:{PASSWORD}@127.0.0.1:notaport/0",
+        f"unix://:{PASSWORD}@/run/redis.sock?db=0",
+    ],
+)
+def test_redis_credentials_never_shown(
+    url: str, spec: kt.OffloadingSpec, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvtier_async.tiers.redis_tier import redact_url
+
+    pieces = [PASSWORD, *PASSWORD.replace("?", "/").replace("#", "/").replace("@", "/").split("/")]
+    pieces = [p for p in pieces if len(p) >= 4]
+    assert not any(p in redact_url(url) for p in pieces)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    try:
+        tier = make_tier({"type": "redis", "url": url}, primary, spec)
+    except kt.ConfigError as exc:  # a password with '/', '#' or '@' unencoded makes a URL malformed
+        assert "malformed" in str(exc) and exc.__cause__ is None and exc.__suppress_context__
+        shown = str(exc) + repr(exc)
+    else:
+        shown = repr(tier.stats()) + repr(tier.where)
+    assert not any(p in shown or p in caplog.text for p in pieces)
+
+
+def test_plain_redis_off_this_machine_warns_once(
+    spec: kt.OffloadingSpec, caplog: pytest.LogCaptureFixture
+) -> None:
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    with caplog.at_level("WARNING", logger="kvtier_async.tiers.redis_tier"):
+        make_tier({"type": "redis", "url": "redis://127.0.0.1:1/0"}, primary, spec)
+        make_tier({"type": "redis", "url": "rediss://cache.example:6380/0"}, primary, spec)
+        assert "rediss://" not in caplog.text
+        make_tier({"type": "redis", "url": "redis://:hunter2hunter2@cache.example:6379/0"}, primary, spec)
+    assert caplog.text.count("use rediss://") == 1 and "hunter2" not in caplog.text
+
+
+@pytest.fixture
+def redis_with_password(tmp_path: Path) -> Any:
+    """A redis-server that asks for PASSWORD (set once it is up, so the start-up ping works)."""
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    server = servers.RedisServer(tmp_path / "redis-auth")
+    server.start()
+    import redis as sync_redis
+
+    sync_redis.Redis.from_url(server.url).config_set("requirepass", PASSWORD)
+    yield server
+    server.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("source", ["password_env", "password_file"])
+async def test_redis_password_from_env_or_file(
+    source: str,
+    redis_with_password: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    spec: kt.OffloadingSpec,
+    primary: kt.PrimaryTier,
+) -> None:
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", PASSWORD)
+    password_file = tmp_path / "redis-password"
+    fd = await asyncio.to_thread(os.open, password_file, os.O_CREAT | os.O_WRONLY, 0o600)
+    await asyncio.to_thread(os.write, fd, PASSWORD.encode() + b"\n")
+    await asyncio.to_thread(os.close, fd)
+    value = "KVTIER_REDIS_PASSWORD" if source == "password_env" else str(password_file)
+    base = {"type": "redis", "url": redis_with_password.url, "prefix": uuid.uuid4().hex}
+    keys = [make_key(i) for i in range(3)]
+    async with make_tier({**base, source: value}, primary, spec) as tier:
+        payloads = fill(primary, range(3))
+        assert await tier.store(keys, list(range(3))) == [True] * 3
+        assert await tier.load(keys, list(range(4, 7))) == [True] * 3
+        assert read(primary, range(4, 7)) == payloads
+        assert PASSWORD not in repr(tier.stats())
+    async with make_tier(base, primary, spec) as without:  # no password: refused, quietly
+        assert await without.store(keys, list(range(3))) == [False] * 3

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import ipaddress
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..block_format import (
     HEADER_BYTES,
@@ -52,7 +54,7 @@ from ..block_format import (
 from ..buffers import new_buffer
 from ..coalesce import Coalescer
 from ..errors import ConfigError
-from ..secret import load_tier_secret
+from ..secret import load_private_value, load_tier_secret
 from ..server_gate import ServerGate
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
@@ -75,15 +77,29 @@ READ_PIECE_BYTES = HEADER_BYTES + (1 << 20)
 EXISTS_PER_PIPELINE = 1024
 
 
+_PASSWORD_IN_QUERY = re.compile(r"(?i)([?&;](?:password|passwd|pass|pwd)=).*")
+
+
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs and stats."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:***@" if parts.username else "***@"
-    host = parts.hostname or ""
-    netloc = user + (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """The URL without its credentials, for logs, stats and messages: a password in the query
+    and all that follows it, and then the whole user-info part (a password with an unencoded
+    '/', '#' or '@' is not parsed as one, so this works on the text, malformed URLs included)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    rest = _PASSWORD_IN_QUERY.sub(r"\1***", rest)
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme + sep + rest
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _positive_number(name: str, value: object, *, optional: bool = False) -> None:
@@ -121,6 +137,8 @@ class RedisTier(SecondaryTierManager):
         max_connections: int = 32,
         socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES,
         client: Any = None,
+        password_env: str | None = None,
+        password_file: str | None = None,
         secret_env: str | None = None,
         secret_file: str | None = None,
         secret: object = None,
@@ -129,11 +147,22 @@ class RedisTier(SecondaryTierManager):
         tier_secret = load_tier_secret(
             tier_type, secret_env=secret_env, secret_file=secret_file, secret=secret
         )
-        if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        if not isinstance(url, str):
             raise ConfigError("redis tier: url must be a redis://, rediss:// or unix:// URL")
+        self.where = redact_url(url)
+        try:  # urllib's messages quote the URL's parts: none of them reaches ours
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (read for its ValueError)
+        except ValueError:
+            raise ConfigError(f"redis tier: the url {self.where} is malformed") from None
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError("redis tier: url must be a redis://, rediss:// or unix:// URL")
+        password = load_private_value(tier_type, "password", env=password_env, file=password_file)
+        #: A password from password_env / password_file; it overrides one in the URL.
+        self._password = None if password is None else password.decode()
         if not isinstance(cluster, bool):
             raise ConfigError(f"redis tier: cluster must be True or False, got {cluster!r}")
-        if cluster and urlsplit(url).scheme == "unix":
+        if cluster and parts.scheme == "unix":
             raise ConfigError("redis tier: a Redis Cluster is reached over TCP, not a unix socket")
         if not isinstance(prefix, str) or not prefix:
             raise ConfigError(f"redis tier: prefix must be a non-empty str, got {prefix!r}")
@@ -159,8 +188,13 @@ class RedisTier(SecondaryTierManager):
             )
         self.cluster = cluster
         self.timeout_s = float(timeout_s)
-        self.where = redact_url(url)
         self._url = url
+        if parts.scheme == "redis" and not _is_loopback(parts.hostname):
+            log.warning(
+                "redis tier: %s is reached in plain text (redis://); use rediss:// (TLS) "
+                "off this machine, so that neither blocks nor the password cross the network in clear",
+                self.where,
+            )
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._max_connections = max_connections
         self._client = client
@@ -192,9 +226,10 @@ class RedisTier(SecondaryTierManager):
             if not self.cluster and urlsplit(self._url).scheme in ("redis", "unix"):
                 from redis.asyncio.connection import parse_url
 
-                self._direct = DirectConnections(
-                    parse_url(self._url), self.timeout_s, self._socket_buffer_bytes
-                )
+                options = parse_url(self._url)
+                if self._password is not None:
+                    options["password"] = self._password
+                self._direct = DirectConnections(options, self.timeout_s, self._socket_buffer_bytes)
         await self.gate.call(self._check_value_limit())
 
     def _make_client(self) -> Any:
@@ -203,6 +238,8 @@ class RedisTier(SecondaryTierManager):
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
         }
+        if self._password is not None:
+            options["password"] = self._password
         version = importlib.metadata.version("redis")
         try:
             from redis.driver_info import DriverInfo  # redis-py 7.1+
