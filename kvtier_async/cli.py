@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from .demo import DemoConfig, format_report, run_demo
 from .errors import KVTierError
+from .secret import new_secret
 
 T = TypeVar("T")
 
@@ -106,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         "--plot", type=Path, default=None, help="save a throughput chart (PNG; needs matplotlib)"
     )
     bench.add_argument("--no-progress", action="store_true")
+    secret = commands.add_parser("secret", help="tier secrets (see the security page)")
+    secret_commands = secret.add_subparsers(dest="secret_command", required=True)
+    secret_commands.add_parser(
+        "new",
+        help="print a fresh tier secret (256 bits); keep it in a 0600 file or an environment variable",
+    )
     fs = commands.add_parser("fs", help="inspect and maintain a file-system tier root")
     fs_commands = fs.add_subparsers(dest="fs_command", required=True)
     stat = fs_commands.add_parser("stat", help="namespaces, blocks and bytes under ROOT")
@@ -240,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if report.mismatches == 0 else 1
     if args.command == "bench":
         return _bench_command(args)
+    if args.command == "secret":  # the one subcommand: new
+        print(new_secret())
+        return 0
     try:
         return _fs_command(args)
     except (KVTierError, OSError) as exc:

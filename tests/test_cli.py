@@ -142,3 +142,12 @@ def test_fs_commands_say_when_a_root_holds_nothing(
 )
 def test_sizes(text: str, value: int) -> None:
     assert _size(text) == value
+
+
+def test_secret_new_prints_a_fresh_256_bit_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    printed = []
+    for _ in range(2):
+        assert main(["secret", "new"]) == 0
+        printed.append(capsys.readouterr().out.strip())
+    assert printed[0] != printed[1]
+    assert all(len(bytes.fromhex(p)) == 32 for p in printed)
