@@ -351,7 +351,7 @@ async def small_tmpfs(where: Path, size: str) -> AsyncIterator[Path]:
     await asyncio.to_thread(where.mkdir)
     mounted = await asyncio.to_thread(
         subprocess.run,
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
         capture_output=True,
     )
     if os.geteuid() != 0 or mounted.returncode:

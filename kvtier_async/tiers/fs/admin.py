@@ -21,6 +21,7 @@ from ...block_format import payload_checksum
 from ...errors import KVTierError
 from .layout import (
     ENTRY,
+    NO_FOLLOW,
     SLAB_RE,
     Entry,
     append_to_log,
@@ -122,7 +123,7 @@ def _verify_slab(
     log_path = slab_path(directory, block_nbytes, slab, "idx")
     try:
         entries, _, _ = read_log(log_path)
-        data_fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY)
+        data_fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY | NO_FOLLOW)
     except FileNotFoundError:
         return  # removed meanwhile
     try:
@@ -200,7 +201,7 @@ def _collect_slab(directory: Path, block_nbytes: int, slab: int, *, remove: bool
     """
     data_path = slab_path(directory, block_nbytes, slab, "kvs")
     try:
-        fd = os.open(data_path, os.O_RDWR)
+        fd = os.open(data_path, os.O_RDWR | NO_FOLLOW)
     except FileNotFoundError:
         return ""
     try:

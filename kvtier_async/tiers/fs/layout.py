@@ -35,12 +35,14 @@ removes such a cache when no format-1 process holds it, and refuses otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import logging
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,7 +51,7 @@ from pathlib import Path
 
 import xxhash
 
-from ...errors import KVTierError, NamespaceInUseError
+from ...errors import ConfigError, KVTierError, NamespaceInUseError
 
 __all__ = [
     "ENTRY",
@@ -77,6 +79,12 @@ FORMAT_TEXT = f"kvtier-fs {FORMAT_VERSION}\n"
 _ENTRY_FIELDS = struct.Struct("<IQIBB128sQ")  # magic, seq, record, flags, key_len, key, checksum
 ENTRY = _ENTRY_FIELDS.size + 8  # fields + their XXH3-64
 _ENTRY_MAGIC = 0x4B565432  # "KVT2"
+#: Flags for every open of a namespace directory's files: a symlink is never followed, a FIFO
+#: planted under a file's name never hangs the open.
+NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: A log is read no further than this (a slab's records, each logged a few times over, fit
+#: many times; a sparse file planted to look huge is not read whole into memory).
+MAX_LOG_BYTES = 256 << 20
 FLAG_DELETED = 1
 SLAB_RE = re.compile(r"^slab-(\d+)-(\d+)\.(kvs|idx)$")
 
@@ -127,12 +135,12 @@ def read_log(path: Path, offset: int = 0) -> tuple[list[Entry], int, int]:
     An entry being appended right now, or torn by a writer that died, stops the
     read; a later read from the returned offset picks up what follows.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_private_file(path)
     try:
         inode = os.fstat(fd).st_ino
         chunks = []
         position = offset
-        while chunk := os.pread(fd, 1 << 20, position):
+        while position < MAX_LOG_BYTES and (chunk := os.pread(fd, 1 << 20, position)):
             chunks.append(chunk)
             position += len(chunk)
     finally:
@@ -226,8 +234,10 @@ def rewrite_log(path: Path, *, fsync: bool = False) -> tuple[int, int]:
     keep = [e for e in latest_per_record(entries).values() if not e.deleted]
     tmp = path.with_name(path.name + ".tmp")
     data = b"".join(encode_entry(e.seq, e.record, e.key, e.checksum) for e in keep)
+    tmp.unlink(missing_ok=True)  # a crashed compaction's, or a planted link: removed, never followed
     try:
-        fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_APPEND | os.O_TRUNC, FILE_MODE)
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, FILE_MODE)
         try:
             if os.write(fd, data) != len(data):
                 raise OSError(errno.ENOSPC, "short write of a compacted log")
@@ -246,7 +256,7 @@ def rewrite_log(path: Path, *, fsync: bool = False) -> tuple[int, int]:
 def append_to_log(path: Path, data: bytes) -> None:
     """Append whole entries to a log another process may be writing: one O_APPEND write, which
     never interleaves with that writer's own appends."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | NO_FOLLOW)
     try:
         os.write(fd, data)
     finally:
@@ -265,7 +275,7 @@ def try_flock(fd: int) -> bool:
 def slab_is_owned(directory: Path, block_nbytes: int, slab: int) -> bool:
     """Whether a process holds this slab as its writer right now."""
     try:
-        fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY)
+        fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY | NO_FOLLOW)
     except FileNotFoundError:
         return False
     try:
@@ -277,7 +287,7 @@ def slab_is_owned(directory: Path, block_nbytes: int, slab: int) -> bool:
 @contextmanager
 def directory_lock(directory: Path) -> Iterator[None]:
     """Serialise set-up and maintenance of one namespace directory among processes."""
-    fd = os.open(directory, os.O_RDONLY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # held for milliseconds: waiting is fine
         yield
@@ -286,25 +296,101 @@ def directory_lock(directory: Path) -> Iterator[None]:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text`, through a temporary file made anew (O_EXCL, O_NOFOLLOW): a
+    symlink planted under the temporary name is never followed, written or truncated."""
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, FILE_MODE)
+    tmp.unlink(missing_ok=True)  # ours, left by a crash (unlink removes a link, not its target)
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
 
 
+class ForeignFile(FileNotFoundError):
+    """A name in a namespace directory that is not a regular file of ours (a symlink, a FIFO,
+    another user's file: planted). Read as absent, like a file removed meanwhile, so every
+    reader skips it; logged."""
+
+
+def open_private_file(path: Path, flags: int = os.O_RDONLY) -> int:
+    """Open a file of a namespace directory without following a symlink or hanging on a FIFO;
+    `FileNotFoundError` where it is absent, `ForeignFile` unless it is a regular file of ours."""
+    try:
+        fd = os.open(path, flags | NO_FOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        log.warning("fs tier: skipped %r, a symlink where a file of ours belongs", str(path))
+        raise ForeignFile(errno.ENOENT, "a symlink, skipped") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            log.warning("fs tier: skipped %r, not a regular file of this user", str(path))
+            raise ForeignFile(errno.ENOENT, "not a regular file of this user, skipped")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_small(path: Path, limit: int = 4096) -> str | None:
+    """A small text file of the directory (None: absent), read within `limit` bytes."""
+    try:
+        fd = open_private_file(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.read(fd, limit).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
+def check_root(root: Path) -> None:
+    """Make `root` (0700) if missing; refuse one another user owns or others may write to, where
+    they could plant or swap what we read (`ConfigError`)."""
+    make_private_dir(root)
+    info = os.stat(root)  # the operator's path: a symlink to it is the operator's choice
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"fs tier: the root {root} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"fs tier: the root {root} belongs to uid {info.st_uid}, not this user ({os.geteuid()}); "
+            "another user could swap its files: use a directory of your own"
+        )
+    if info.st_mode & 0o022:
+        raise ConfigError(
+            f"fs tier: the root {root} may be written by group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or use a private directory"
+        )
+
+
+def check_namespace_dir(directory: Path) -> None:
+    """Make the namespace directory (0700) if missing; refuse a symlink or another user's, and
+    make ours 0700 through a descriptor (never following a link)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, DIR_MODE)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(
+            f"fs tier: {directory} is not a plain directory (a symlink?): {exc.strerror}"
+        ) from None
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise ConfigError(f"fs tier: {directory} belongs to another user")
+        os.fchmod(fd, DIR_MODE)
+    finally:
+        os.close(fd)
+
+
 def prepare_directory(root: Path, directory: Path, namespace: str) -> None:
     """Make (or check) a namespace directory of this format; a format-1 cache is removed when no
     process of that version holds it, and any other format is refused, never misread."""
-    make_private_dir(root)
-    make_private_dir(directory)
-    os.chmod(directory, DIR_MODE)
+    check_root(root)
+    check_namespace_dir(directory)
     with directory_lock(directory):
         format_file = directory / "FORMAT"
-        try:
-            text = format_file.read_text()
-        except FileNotFoundError:
-            text = None
+        text = _read_small(format_file)
         if text is not None and text != FORMAT_TEXT:
             raise KVTierError(
                 f"fs tier: {directory} holds a cache in another format ({text.strip()!r}; this "
@@ -314,7 +400,7 @@ def prepare_directory(root: Path, directory: Path, namespace: str) -> None:
         if text is None:
             _remove_format_1(directory)
             _write_atomically(format_file, FORMAT_TEXT)
-        if not (directory / "NAMESPACE").exists():
+        if _read_small(directory / "NAMESPACE") is None:
             _write_atomically(directory / "NAMESPACE", namespace + "\n")
 
 
@@ -326,7 +412,7 @@ def _remove_format_1(directory: Path) -> None:
         return
     lock = directory / "LOCK"
     if lock.exists():
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(lock, os.O_RDWR | NO_FOLLOW)
         try:
             if not try_flock(fd):
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"

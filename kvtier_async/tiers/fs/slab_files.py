@@ -24,6 +24,7 @@ from .index import Claim, LogNews, OtherSlab, OwnSlab
 from .layout import (
     ENTRY,
     FILE_MODE,
+    NO_FOLLOW,
     allocate,
     is_out_of_space,
     prepare_directory,
@@ -58,8 +59,9 @@ def probe_direct_io(directory: Path) -> bool:
         return False
     path = directory / f"direct-io-probe.{os.getpid()}.{threading.get_native_id()}.tmp"
     buffer = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
+    path.unlink(missing_ok=True)  # a crashed probe's (a planted link is removed, not followed)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, FILE_MODE)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | NO_FOLLOW, FILE_MODE)
         try:
             os.pwrite(fd, buffer, 0)
             os.preadv(fd, [buffer], 0)
@@ -201,7 +203,7 @@ class SlabFiles:
                     entries, end, inode = read_log(log_path, 0 if reset else offset)
                     data_fd = None
                     if slab not in known:
-                        data_fd = os.open(self.path(slab, "kvs"), os.O_RDONLY | self.data_flags)
+                        data_fd = os.open(self.path(slab, "kvs"), os.O_RDONLY | self.data_flags | NO_FOLLOW)
                 except FileNotFoundError:
                     continue  # removed meanwhile (`kvtier fs gc`)
                 news.append(LogNews(slab, reset, entries, inode, end, data_fd))
@@ -222,7 +224,9 @@ class SlabFiles:
                 continue
             try:
                 fd = os.open(
-                    self.path(slab, "kvs"), os.O_CREAT | os.O_EXCL | os.O_RDWR | self.data_flags, FILE_MODE
+                    self.path(slab, "kvs"),
+                    os.O_CREAT | os.O_EXCL | os.O_RDWR | self.data_flags | NO_FOLLOW,
+                    FILE_MODE,
                 )
             except FileExistsError:
                 continue
@@ -235,7 +239,7 @@ class SlabFiles:
             if slab in own or slab >= self.max_slabs:
                 continue
             try:
-                fd = os.open(self.path(slab, "kvs"), os.O_RDWR | self.data_flags)
+                fd = os.open(self.path(slab, "kvs"), os.O_RDWR | self.data_flags | NO_FOLLOW)
             except FileNotFoundError:
                 continue
             if try_flock(fd) and os.fstat(fd).st_nlink:  # not removed while we opened it
@@ -248,7 +252,7 @@ class SlabFiles:
         try:
             log_path = self.path(slab, "idx")
             log_path.with_name(log_path.name + ".tmp").unlink(missing_ok=True)  # a compaction cut short
-            log_fd = os.open(log_path, os.O_CREAT | os.O_RDWR | os.O_APPEND, FILE_MODE)
+            log_fd = os.open(log_path, os.O_CREAT | os.O_RDWR | os.O_APPEND | NO_FOLLOW, FILE_MODE)
             try:
                 entries, end, _ = read_log(log_path)
                 if os.fstat(log_fd).st_size != end:
@@ -295,7 +299,7 @@ class SlabFiles:
         return os.fstat(data_fd).st_size // self.record_bytes * self.record_bytes, size < want
 
     def fsync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.fsync(fd)
         finally:
