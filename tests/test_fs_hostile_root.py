@@ -66,7 +66,7 @@ async def test_symlinked_namespace_directory_is_refused_and_untouched(tmp_path: 
 async def test_gc_never_follows_a_planted_tmp_symlink(tmp_path: Path) -> None:
     root, victim = tmp_path / "root", tmp_path / "victim"
     await asyncio.to_thread(victim.write_bytes, b"precious")
-    tier, primary = make_tier(root)
+    tier, _ = make_tier(root)
     keys = [make_key(i) for i in range(4)]
     async with tier:
         assert await tier.store(keys, list(range(4))) == [True] * 4
@@ -80,7 +80,7 @@ async def test_gc_never_follows_a_planted_tmp_symlink(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 async def test_a_fifo_named_like_an_index_hangs_nothing(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    tier, primary = make_tier(root)
+    tier, _ = make_tier(root)
     keys = [make_key(i) for i in range(2)]
     async with tier:
         assert await tier.store(keys, [0, 1]) == [True, True]
