@@ -94,3 +94,53 @@ async def test_a_fifo_named_like_an_index_hangs_nothing(tmp_path: Path) -> None:
     again, _ = make_tier(root)  # a restart replays every log
     async with again:
         assert await again.lookup(keys) == 2
+
+
+def stored_root(tmp_path: Path) -> tuple[Path, Path]:
+    """A root with one namespace holding two blocks (made on a loop of its own)."""
+    root = tmp_path / "root"
+
+    async def store() -> Path:
+        tier, _ = make_tier(root)
+        async with tier:
+            assert await tier.store([make_key(0), make_key(1)], [0, 1]) == [True, True]
+        return tier.directory
+
+    return root, asyncio.run(store())
+
+
+def test_sparse_huge_index_is_not_read_whole(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from kvtier_async.tiers.fs.layout import read_log
+
+    root, directory = stored_root(tmp_path)
+    [log] = directory.glob("slab-*.idx")
+    with open(log, "r+b") as f:
+        f.truncate(8 << 30)  # 8 GiB of holes after the real entries
+    tracemalloc.start()
+    try:
+        entries, _, _ = read_log(log)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(entries) == 2
+    assert peak < 8 << 20
+    assert main(["fs", "stat", str(root)]) == 0
+
+
+def test_crafted_names_and_namespace_text_are_harmless(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier_async.tiers.fs.layout import encode_entry
+
+    root, directory = stored_root(tmp_path)
+    huge = directory / f"slab-{1 << 60}-000000"
+    huge.with_suffix(".kvs").write_bytes(b"")
+    huge.with_suffix(".idx").write_bytes(encode_entry(1, 0, b"k" * 32, 0))
+    (directory / "NAMESPACE").write_text("evil\x1b]0;owned\x07\x1b[2J\n")
+    for command in ("stat", "verify"):
+        assert main(["fs", command, str(root)]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out
+        assert "evil\\x1b]0;owned\\x07" in out

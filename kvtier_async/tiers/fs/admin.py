@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from .layout import (
     is_out_of_space,
     latest_per_record,
     read_log,
+    read_small,
     record_bytes_for,
     replay,
     slab_is_owned,
@@ -38,7 +40,7 @@ from .layout import (
     try_flock,
 )
 
-__all__ = ["NamespaceReport", "gc_root", "stat_root", "verify_root"]
+__all__ = ["NamespaceReport", "gc_root", "printable", "stat_root", "verify_root"]
 
 
 @dataclass(slots=True)
@@ -56,16 +58,35 @@ class NamespaceReport:
     logs_not_compacted: int = 0  # by gc, for want of space
 
 
+#: Slab files whose names claim larger blocks are not ours (a crafted name): skipped, never
+#: read. One object in one S3 PUT is at most 5 GiB; no engine's block comes near.
+MAX_BLOCK_NBYTES = 5 << 30
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal could act on escaped (names read from a root are
+    anyone's: an escape sequence in a NAMESPACE file must not reach the terminal)."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _namespace_dirs(root: Path) -> Iterator[tuple[Path, str, int]]:
-    """(directory, namespace name, block size) for every namespace and block size under root."""
+    """(directory, namespace name, block size) for every namespace and block size under root.
+    A namespace directory that is a symlink or another user's is skipped; the name is escaped."""
     if not root.is_dir():
-        raise KVTierError(f"{root} is not a directory")
+        raise KVTierError(f"{printable(str(root))} is not a directory")
     for directory in sorted(root.glob("kvtier-*")):
-        if not directory.is_dir():
+        info = directory.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             continue
-        name_file = directory / "NAMESPACE"
-        name = name_file.read_text().rstrip("\n") if name_file.exists() else "?"
-        sizes = sorted({int(m[1]) for p in directory.iterdir() if (m := SLAB_RE.match(p.name)) is not None})
+        name = read_small(directory / "NAMESPACE")
+        name = "?" if name is None else printable(name.rstrip("\n"))
+        sizes = sorted(
+            {
+                int(m[1])
+                for p in directory.iterdir()
+                if (m := SLAB_RE.match(p.name)) is not None and 0 < int(m[1]) <= MAX_BLOCK_NBYTES
+            }
+        )
         for block_nbytes in sizes:
             yield directory, name, block_nbytes
 
@@ -148,7 +169,10 @@ def _verify_slab(
 
 
 def _matches(data_fd: int, block_nbytes: int, record: int, entry: Entry) -> bool:
-    data = os.pread(data_fd, block_nbytes, record * record_bytes_for(block_nbytes))
+    offset = record * record_bytes_for(block_nbytes)
+    if os.fstat(data_fd).st_size < offset + block_nbytes:  # never allocate for bytes not there
+        return False
+    data = os.pread(data_fd, block_nbytes, offset)
     return len(data) == block_nbytes and payload_checksum(data) == entry.checksum
 
 

@@ -82,6 +82,7 @@ _ENTRY_MAGIC = 0x4B565432  # "KVT2"
 #: Flags for every open of a namespace directory's files: a symlink is never followed, a FIFO
 #: planted under a file's name never hangs the open.
 NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_LOG_READ_BYTES = (1 << 20) // ENTRY * ENTRY
 #: A log is read no further than this (a slab's records, each logged a few times over, fit
 #: many times; a sparse file planted to look huge is not read whole into memory).
 MAX_LOG_BYTES = 256 << 20
@@ -136,16 +137,20 @@ def read_log(path: Path, offset: int = 0) -> tuple[list[Entry], int, int]:
     read; a later read from the returned offset picks up what follows.
     """
     fd = open_private_file(path)
+    entries: list[Entry] = []
     try:
         inode = os.fstat(fd).st_ino
-        chunks = []
         position = offset
-        while position < MAX_LOG_BYTES and (chunk := os.pread(fd, 1 << 20, position)):
-            chunks.append(chunk)
-            position += len(chunk)
+        # Whole entries a read; the first entry that does not check out ends the log, so a
+        # damaged or planted (sparse, huge) file costs one read, not its size in memory.
+        while position < MAX_LOG_BYTES and (chunk := os.pread(fd, _LOG_READ_BYTES, position)):
+            got = decode_entries(chunk)
+            entries += got
+            position += len(got) * ENTRY
+            if len(got) * ENTRY < _LOG_READ_BYTES:
+                break
     finally:
         os.close(fd)
-    entries = decode_entries(b"".join(chunks))
     return entries, offset + len(entries) * ENTRY, inode
 
 
@@ -333,7 +338,7 @@ def open_private_file(path: Path, flags: int = os.O_RDONLY) -> int:
     return fd
 
 
-def _read_small(path: Path, limit: int = 4096) -> str | None:
+def read_small(path: Path, limit: int = 4096) -> str | None:
     """A small text file of the directory (None: absent), read within `limit` bytes."""
     try:
         fd = open_private_file(path)
@@ -390,7 +395,7 @@ def prepare_directory(root: Path, directory: Path, namespace: str) -> None:
     check_namespace_dir(directory)
     with directory_lock(directory):
         format_file = directory / "FORMAT"
-        text = _read_small(format_file)
+        text = read_small(format_file)
         if text is not None and text != FORMAT_TEXT:
             raise KVTierError(
                 f"fs tier: {directory} holds a cache in another format ({text.strip()!r}; this "
@@ -400,7 +405,7 @@ def prepare_directory(root: Path, directory: Path, namespace: str) -> None:
         if text is None:
             _remove_format_1(directory)
             _write_atomically(format_file, FORMAT_TEXT)
-        if _read_small(directory / "NAMESPACE") is None:
+        if read_small(directory / "NAMESPACE") is None:
             _write_atomically(directory / "NAMESPACE", namespace + "\n")
 
 
