@@ -336,6 +336,11 @@ def vllm_namespace(vllm_spec: Any, row_stride: int) -> str:
         "canonical_layout": bool(_vllm_field(vllm_spec, "config.canonical_layout")),
         "replicated_layout": bool(_vllm_field(vllm_spec, "replicated_layout")),
     }
+    from .integrations.model_identity import weights_identity
+
+    weights = weights_identity(model)
+    if weights is not None:  # other weights under the same name: another namespace
+        layout["weights"] = weights
     if not _vllm_field(vllm_spec, "config.parallel.is_parallelism_agnostic"):
         layout["parallel"] = [
             parallel.world_size,

@@ -120,6 +120,27 @@ def test_a_restarted_backend_on_the_same_root_finds_and_loads_the_pages(fs: dict
         second.close()
 
 
+def test_new_weights_under_the_same_model_path_never_load_the_old_pages(
+    fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """SGLang hands the backend the model's path, not its revision: the weights there decide."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"old weights")
+    pool = mha_pool("page_first")
+    names = keys(4)
+    first = build(fs, pool, model=str(model))
+    assert first.batch_set_v1(names, slots(pool, list(range(4)))) == [True] * 4
+    first.close()
+    (model / "model.safetensors").write_bytes(b"new weights, same name")  # updated in place
+    second = build(fs, mha_pool("page_first"), model=str(model))
+    try:
+        assert second.batch_exists(names) == 0
+    finally:
+        second.close()
+
+
 def test_tensor_parallel_ranks_do_not_see_each_others_pages(fs: dict[str, Any]) -> None:
     pool0, pool1 = mha_pool("page_first"), mha_pool("page_first")
     rank0 = build(fs, pool0, tp_rank=0, tp_size=2)

@@ -280,6 +280,27 @@ def test_namespaces_keep_models_and_layouts_apart() -> None:
     assert base not in others and len(others) == 3
 
 
+def test_new_weights_under_the_same_model_name_get_another_namespace(tmp_path: Path) -> None:
+    """vLLM hands the tier the model's path, not its revision: the weights there decide."""
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"old")
+
+    def namespace() -> str:
+        spec = OffloadingSpecFactory.create_spec(
+            offloading_config(ours({"type": "memory"}), model=str(model))
+        )
+        view = memoryview(np.zeros((spec.num_chunks, spec.kv_bytes_per_chunk), dtype=np.int8))
+        return kt.OffloadingSpec.from_vllm(spec, view).namespace
+
+    before = namespace()
+    assert namespace() == before
+    weights.write_bytes(b"new weights")  # updated in place
+    assert namespace() != before
+
+
 def test_from_vllm_reads_the_geometry_from_the_view_and_refuses_other_specs() -> None:
     spec = OffloadingSpecFactory.create_spec(offloading_config(ours({"type": "memory"}), chunks=8))
     view = memoryview(np.zeros((spec.num_chunks, spec.kv_bytes_per_chunk), dtype=np.int8))

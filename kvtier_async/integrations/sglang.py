@@ -70,6 +70,7 @@ from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread, engine_config
 from .known_keys import KnownKeys
+from .model_identity import weights_identity
 
 __all__ = ["KNOWN_PAGES", "KVTierHiCacheStorage"]
 
@@ -176,6 +177,9 @@ def _namespace(config: HiCacheStorageConfig, pool: Any, runs: _PageRuns, path: s
     }
     if not config.is_mla_model:  # MLA KV is the same on every TP rank: one shared copy
         fields["tp"] = [config.tp_rank, config.tp_size, config.dp_rank]
+    weights = weights_identity(config.model_name or "")
+    if weights is not None:  # other weights under the same name: another namespace
+        fields["weights"] = weights
     digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=12).hexdigest()
     model = (config.model_name or "unnamed-model")[:160]
     return f"sglang:{model}:{digest}"
