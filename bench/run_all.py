@@ -128,6 +128,11 @@ def kvtier_bench(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def tier_secret(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/tier_secret.py", "--repeat", "3"]
+    return shlex.join(command), run_json(command)
+
+
 def remote_tiers(args: argparse.Namespace) -> tuple[str, Any]:
     command = [PY, "bench/remote_tiers.py", "--block-kib", "64", "1024", "8192", "--repeat", "8"]
     return shlex.join(command), run_json(command)
@@ -154,6 +159,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "remote_tiers": remote_tiers,
     "sglang_backend": sglang_backend,
     "lmcache_l2": lmcache_l2,
+    "tier_secret": tier_secret,
 }
 
 

@@ -60,6 +60,14 @@ class BenchConfig:
     repeat: int = 1
     directory: Path | None = None
     progress: bool = True
+    #: Also measure each persistent tier (fs, redis, s3) with a tier secret, in the same rounds:
+    #: the cost of sealing (AES-256-GCM) and keyed names, as ratios to the same tier without one.
+    with_secret: bool = True
+
+
+#: Tier types that take a secret; the environment variable the benchmark's fresh secret is in.
+SEALABLE = ("fs", "redis", "s3")
+BENCH_SECRET_ENV = "KVTIER_BENCH_SECRET"
 
 
 # -- the tier ------------------------------------------------------------------------------------
@@ -173,7 +181,13 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         stack.push_async_callback(asyncio.to_thread, shutil.rmtree, work, True)
         tiers = config.secondary_tiers or [{"type": "fs"}]
         tiers = [_with_root(tier, work / f"tier{n}") for n, tier in enumerate(tiers)]
-        steps = len(tiers) * (2 * len(config.block_kib) + 1) * config.repeat
+        sealed = {n: _sealed(tier) if config.with_secret else None for n, tier in enumerate(tiers)}
+        if any(sealed.values()) and BENCH_SECRET_ENV not in os.environ:
+            from .secret import new_secret
+
+            os.environ[BENCH_SECRET_ENV] = new_secret()  # this process's: never shown
+        sides_per_case = {n: 3 if sealed[n] else 2 for n in sealed}
+        steps = sum(sides_per_case[n] * len(config.block_kib) + 1 for n in sealed) * config.repeat
         bar = tqdm(total=steps, desc="kvtier bench", unit="step", disable=not config.progress)
         stack.callback(bar.close)
         with LoopLag() as idle:  # the lag of this loop with nothing to do: the baseline for the rest
@@ -188,6 +202,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                 bar.set_postfix_str(f"{name} {kib} KiB")
                 measured_runs: list[dict[str, Any]] = []
                 baseline_runs: list[Any] = []
+                sealed_runs: list[dict[str, Any]] = []
                 # Interleaved, so drifts hit both alike, and taking turns at going first: a server
                 # (moto) can slow down as it holds more, and a VM's host can take CPU time back for
                 # a while; neither must land on one side only.
@@ -198,7 +213,13 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                         raw_baseline, tier_config, block, blocks, config.request_blocks, work / f"raw-{tag}"
                     )
                     sides = [(tier_run, measured_runs), (raw_run, baseline_runs)]
-                    for run, runs in sides if r % 2 == 0 else reversed(sides):
+                    sealed_config = sealed[n]
+                    if sealed_config is not None:
+                        sealed_run = partial(
+                            _measure_tier, sealed_config, block, blocks, config.request_blocks, f"{tag}-s"
+                        )
+                        sides.append((sealed_run, sealed_runs))
+                    for run, runs in sides[r % len(sides) :] + sides[: r % len(sides)]:
                         runs.append(await run())
                         bar.update()
                 measured = median_tree(measured_runs)
@@ -209,6 +230,11 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                 if baseline is not None:
                     case["store_ratio"] = measured["store"]["gbps"] / baseline["store"]["gbps"]
                     case["load_ratio"] = measured["load"]["gbps"] / baseline["load"]["gbps"]
+                if sealed_runs:
+                    with_secret = median_tree(sealed_runs)
+                    case["with_secret"] = with_secret
+                    case["secret_store_ratio"] = with_secret["store"]["gbps"] / measured["store"]["gbps"]
+                    case["secret_load_ratio"] = with_secret["load"]["gbps"] / measured["load"]["gbps"]
                 cases.append(case)
             block = max(config.block_kib) * 1024
             blocks = max(16, config.mib_per_case * (1 << 20) // block)
@@ -232,6 +258,13 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         "cases": cases,
         "pipelines": pipelines,
     }
+
+
+def _sealed(tier: dict[str, Any]) -> dict[str, Any] | None:
+    """The tier's config with the benchmark's secret, where it takes one and has none yet."""
+    if tier.get("type") not in SEALABLE or "secret_env" in tier or "secret_file" in tier:
+        return None
+    return {**tier, "secret_env": BENCH_SECRET_ENV}
 
 
 def _with_root(tier: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -262,7 +295,7 @@ def format_table(result: dict[str, Any]) -> str:
     head = (
         f"{'tier':<10} {'block':>8} | {'store GB/s':>10} {'raw':>6} {'ratio':>6} | "
         f"{'load GB/s':>9} {'raw':>6} {'ratio':>6} | {'blocks/s st/ld':>15} | "
-        f"{'p50/p99 ms store':>17} | {'p50/p99 ms load':>16} | exact"
+        f"{'p50/p99 ms store':>17} | {'p50/p99 ms load':>16} | {'secret st/ld':>12} | exact"
     )
     lines = [head, "-" * len(head)]
     for case in result["cases"]:
@@ -273,12 +306,18 @@ def format_table(result: dict[str, Any]) -> str:
         ratio_load = f"{case['load_ratio']:5.2f}x" if base else "   n/a"
         st, ld = case["store"], case["load"]
         block = f"{case['block_kib']} KiB"
+        secret = (
+            f"{case['secret_store_ratio']:5.2f}/{case['secret_load_ratio']:<5.2f}x"
+            if "with_secret" in case
+            else "n/a"
+        )
+        exact = case["exact"] and case.get("with_secret", {}).get("exact", True)
         lines.append(
             f"{case['tier']:<10} {block:>8} | {st['gbps']:10.2f} {raw_store} {ratio_store} | "
             f"{ld['gbps']:9.2f} {raw_load} {ratio_load} | "
             f"{st['blocks_per_s']:7.0f}/{ld['blocks_per_s']:<7.0f} | "
             f"{st['p50_ms']:8.1f}/{st['p99_ms']:<8.1f} | "
-            f"{ld['p50_ms']:7.1f}/{ld['p99_ms']:<8.1f} | {case['exact']}"
+            f"{ld['p50_ms']:7.1f}/{ld['p99_ms']:<8.1f} | {secret:>12} | {exact}"
         )
     lines.append("")
     idle = result["idle_loop_lag"]
@@ -297,6 +336,11 @@ def format_table(result: dict[str, Any]) -> str:
             if raw is not None:
                 parts = _lag_parts(raw)
                 line += f" (raw baseline: p99 {raw['p99_ms']:.2f} ms, max {raw['max_ms']:.2f} ms{parts})"
+            if "with_secret" in case:
+                sealed_lag = case["with_secret"]["loop_lag"]
+                line += (
+                    f"; with a secret: p99 {sealed_lag['p99_ms']:.2f} ms, max {sealed_lag['max_ms']:.2f} ms"
+                )
             lines.append(line)
     for pipe in result["pipelines"]:
         lines.append(
@@ -310,6 +354,11 @@ def format_table(result: dict[str, Any]) -> str:
             described.add(case["tier"])
             what = case["baseline"]["what"] if case["baseline"] else "none for this type"
             lines.append(f"baseline for {case['tier']}: {what}")
+    if any("with_secret" in case for case in result["cases"]):
+        lines.append(
+            "secret st/ld: the same tier with a tier secret (AES-256-GCM, keyed names), as a ratio "
+            "to it without one, measured in the same rounds"
+        )
     return "\n".join(lines)
 
 

@@ -106,6 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--plot", type=Path, default=None, help="save a throughput chart (PNG; needs matplotlib)"
     )
+    bench.add_argument(
+        "--no-secret",
+        action="store_true",
+        help="skip the 'with a secret' column (fs, redis and s3 tiers measured sealed as well)",
+    )
     bench.add_argument("--no-progress", action="store_true")
     secret = commands.add_parser("secret", help="tier secrets (see the security page)")
     secret_commands = secret.add_subparsers(dest="secret_command", required=True)
@@ -206,6 +211,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         directory=args.dir,
         progress=not args.no_progress,
+        with_secret=not args.no_secret,
     )
     try:
         result = _run(run_bench(config))
