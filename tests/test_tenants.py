@@ -231,6 +231,9 @@ async def test_shared_fs_root_with_a_secret(
     files = await asyncio.to_thread(lambda: {p.name.encode(): p.read_bytes() for p in directory.iterdir()})
     files[directory.name.encode()] = b""
     assert_nothing_in_clear(files, keys, payloads)
+    [data] = [v for k, v in files.items() if k.endswith(b".kvs")]
+    for start in range(0, len(data), record_bytes):  # a record's padding: zeros, nothing else
+        assert not any(data[start + stored_nbytes : start + record_bytes])
     assert NAMESPACE.encode() not in b"".join(files.values())
 
     async with make_tier({**base, "secret_env": env_b}, primary, spec) as tier_b:

@@ -243,7 +243,13 @@ class FileSystemTier(SecondaryTierManager):
             part_keys, part_blocks = keys[start:end], blocks[start:end]
             async with self._sealed(len(part_keys)) as sealed:
                 await self.run_cpu(
-                    len(part_keys) * self.stored_nbytes, _seal, sealer, part_keys, part_blocks, sealed
+                    len(part_keys) * self.stored_nbytes,
+                    _seal,
+                    sealer,
+                    part_keys,
+                    part_blocks,
+                    sealed,
+                    self.stored_nbytes,
                 )
                 names = [sealer.name(key) for key in part_keys]
                 written = await self._write_records(names, sealed)
@@ -263,7 +269,9 @@ class FileSystemTier(SecondaryTierManager):
                 names = [sealer.name(key) for key in part_keys]
                 found = await self._read_records(names, sealed)
                 nbytes = found.count(True) * self.stored_nbytes
-                opened = await self.run_cpu(nbytes, _open, sealer, part_keys, part_blocks, sealed, found)
+                opened = await self.run_cpu(
+                    nbytes, _open, sealer, part_keys, part_blocks, sealed, found, self.stored_nbytes
+                )
             self.counters["unauthenticated_blocks"] += sum(f and not o for f, o in zip(found, opened))
             self._keys_of_names.update((name, key) for name, key, ok in zip(names, part_keys, opened) if ok)
             results += opened
@@ -276,12 +284,12 @@ class FileSystemTier(SecondaryTierManager):
 
     @contextlib.asynccontextmanager
     async def _sealed(self, count: int) -> AsyncIterator[list[memoryview]]:
-        """`count` sealed slots (each `stored_nbytes`), given back when the block ends: by then
+        """`count` sealed slots (whole records), given back when the block ends: by then
         the records' I/O into them has finished (their worker-thread work is awaited to the end)."""
         slots = self._slots()
         taken = await slots.take(count)
         try:
-            yield [slots.slot(i, self.stored_nbytes) for i in taken]
+            yield [slots.slot(i, self.record_bytes) for i in taken]
         finally:
             slots.give(taken)
 
@@ -453,21 +461,29 @@ class FileSystemTier(SecondaryTierManager):
 
 
 def _seal(
-    sealer: BlockSealer, keys: Sequence[bytes], blocks: Sequence[memoryview], into: list[memoryview]
+    sealer: BlockSealer,
+    keys: Sequence[bytes],
+    blocks: Sequence[memoryview],
+    records: list[memoryview],
+    stored_nbytes: int,
 ) -> None:
-    """CPU thread: each block's sealed value into its slot."""
-    for key, block, slot in zip(keys, blocks, into):
-        sealer.seal_into(slot, block, key)
+    """CPU thread: each block's sealed value into its record, the record's padding zeroed (it
+    goes to disk too: it must hold nothing but zeros, not a record read here before)."""
+    for key, block, record in zip(keys, blocks, records):
+        sealer.seal_into(record[:stored_nbytes], block, key)
+        record[stored_nbytes:] = bytes(len(record) - stored_nbytes)
 
 
 def _open(
     sealer: BlockSealer,
     keys: Sequence[bytes],
     blocks: Sequence[memoryview],
-    sealed: list[memoryview],
+    records: list[memoryview],
     found: list[bool],
+    stored_nbytes: int,
 ) -> list[bool]:
     """CPU thread: each found record opened into its block; False where it does not authenticate."""
     return [
-        f and sealer.open_into(block, value, key) for key, block, value, f in zip(keys, blocks, sealed, found)
+        f and sealer.open_into(block, record[:stored_nbytes], key)
+        for key, block, record, f in zip(keys, blocks, records, found)
     ]
