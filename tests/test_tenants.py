@@ -221,7 +221,7 @@ async def test_shared_fs_root_with_a_secret(
     tmp_path: Path, secrets_env: tuple[str, str], spec: kt.OffloadingSpec, primary: kt.PrimaryTier
 ) -> None:
     env_a, env_b = secrets_env
-    base = {"type": "fs", "root": str(tmp_path / "root")}
+    base = {"type": "fs", "root": str(tmp_path / "root"), "capacity_bytes": 4 << 20}
     keys = [make_key(i) for i in range(4)]
     async with make_tier({**base, "secret_env": env_a}, primary, spec) as tier_a:
         payloads = fill(primary, range(4))
