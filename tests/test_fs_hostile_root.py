@@ -88,8 +88,10 @@ async def test_a_fifo_named_like_an_index_hangs_nothing(tmp_path: Path) -> None:
         planted = data.with_name(data.name.replace("000000", "000007"))
         await asyncio.to_thread(os.mkfifo, planted.with_suffix(".idx"), 0o600)
         await asyncio.to_thread(planted.write_bytes, b"")
+        skipped = tier.stats()["foreign_files_skipped"]
         await tier.refresh()
         assert await tier.lookup([make_key(9)]) == 0  # a miss reads the other slabs' logs
+        assert tier.stats()["foreign_files_skipped"] > skipped
         assert await tier.load(keys, [2, 3]) == [True, True]
     again, _ = make_tier(root)  # a restart replays every log
     async with again:

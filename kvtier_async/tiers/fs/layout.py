@@ -44,6 +44,7 @@ import os
 import re
 import stat
 import struct
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -311,6 +312,23 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+_foreign_lock = threading.Lock()
+_foreign_skipped = 0
+
+
+def foreign_files_skipped() -> int:
+    """Files skipped as foreign (`ForeignFile`) by this process, every root and namespace together."""
+    return _foreign_skipped
+
+
+def _skip_foreign(path: Path, what: str) -> ForeignFile:
+    global _foreign_skipped
+    with _foreign_lock:  # worker threads skip files at once
+        _foreign_skipped += 1
+    log.warning("fs tier: skipped %r, %s", str(path), what)
+    return ForeignFile(errno.ENOENT, f"{what}, skipped")
+
+
 class ForeignFile(FileNotFoundError):
     """A name in a namespace directory that is not a regular file of ours (a symlink, a FIFO,
     another user's file: planted). Read as absent, like a file removed meanwhile, so every
@@ -325,13 +343,11 @@ def open_private_file(path: Path, flags: int = os.O_RDONLY) -> int:
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        log.warning("fs tier: skipped %r, a symlink where a file of ours belongs", str(path))
-        raise ForeignFile(errno.ENOENT, "a symlink, skipped") from None
+        raise _skip_foreign(path, "a symlink where a file of ours belongs") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            log.warning("fs tier: skipped %r, not a regular file of this user", str(path))
-            raise ForeignFile(errno.ENOENT, "not a regular file of this user, skipped")
+            raise _skip_foreign(path, "not a regular file of this user")
     except BaseException:
         os.close(fd)
         raise

@@ -30,6 +30,7 @@ from ...secret import load_tier_secret
 from ...spec import OffloadingSpec
 from ...tier import SecondaryTierManager
 from ...workers import wait_uncancellable
+from . import layout
 from .following import Following
 from .index import OtherSlab, OwnSlab, Record, SlabIndex
 from .layout import ENTRY, namespace_dir_name, record_bytes_for
@@ -440,6 +441,8 @@ class FileSystemTier(SecondaryTierManager):
             "sealed": self.codec.sealed,
             "sealed_slot_bytes": 0 if self.sealed_slots is None else self.sealed_slots.nbytes,
             "unauthenticated_blocks": self.counters["unauthenticated_blocks"],
+            # Symlinks, FIFOs and other users' files where ours belong, skipped (this process).
+            "foreign_files_skipped": layout.foreign_files_skipped(),
             "blocks": len(self.index.where),
             "own_blocks": self.index.own_blocks(),
             "used_bytes": self.index.used_bytes(),
