@@ -82,14 +82,19 @@ _PASSWORD_IN_QUERY = re.compile(r"(?i)([?&;](?:password|passwd|pass|pwd)=).*")
 
 def redact_url(url: str) -> str:
     """The URL without its credentials, for logs, stats and messages: a password in the query
-    and all that follows it, and then the whole user-info part (a password with an unencoded
-    '/', '#' or '@' is not parsed as one, so this works on the text, malformed URLs included)."""
+    and all that follows it, and everything of the user-info part but a user name (a password
+    with an unencoded '/', '#' or '@' is not parsed as one, so this works on the text,
+    malformed URLs included)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     rest = _PASSWORD_IN_QUERY.sub(r"\1***", rest)
     if "@" in rest:
-        rest = "***@" + rest.rsplit("@", 1)[1]
+        userinfo, host = rest.rsplit("@", 1)
+        # A user name ends at the first ':' (a password may hold one); without a ':' the whole
+        # part may be a password given as a user name: hidden too.
+        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
+        rest = (f"{user}:***@" if user and "/" not in user else "***@") + host
     return scheme + sep + rest
 
 
