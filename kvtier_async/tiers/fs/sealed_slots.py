@@ -6,13 +6,17 @@ With a secret, what goes to disk is not the primary slot's bytes but their seale
 on slots of one memory region by their offsets, with O_DIRECT; this is that region for sealed
 records: a fixed number of record-sized slots, made once when the tier opens (so nothing is
 allocated on the hot path), handed out on the event-loop thread first come, first served.
+Like our primary tier's memory it is in transparent huge pages, faulted in order when the
+tier opens (`populate`): O_DIRECT into freshly faulted 4 KiB pages that lie scattered in RAM
+runs at half the disk's speed here (see `staging`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import mmap
+
+from ...primary import reserve_host_memory
 
 __all__ = ["SealedSlots"]
 
@@ -25,7 +29,7 @@ class SealedSlots:
             raise ValueError("SealedSlots: at least one slot")
         self.count = count
         self.record_bytes = record_bytes
-        self._map = mmap.mmap(-1, count * record_bytes)  # anonymous: page aligned, zero filled
+        self._map = reserve_host_memory(count * record_bytes)  # page aligned, zero filled
         self.view = memoryview(self._map)
         self._free = list(range(count))
         self._waiters: collections.deque[tuple[int, asyncio.Future[list[int]]]] = collections.deque()
@@ -33,6 +37,14 @@ class SealedSlots:
     @property
     def nbytes(self) -> int:
         return self.count * self.record_bytes
+
+    def populate(self) -> None:
+        """Fault every page in now, in order (a worker thread's work: it writes every byte)."""
+        step = 64 << 20
+        zeros = bytes(min(step, self.nbytes))
+        for start in range(0, self.nbytes, step):
+            end = min(start + step, self.nbytes)
+            self.view[start:end] = zeros[: end - start]
 
     def slot(self, index: int, nbytes: int) -> memoryview:
         """The first `nbytes` of slot `index`."""

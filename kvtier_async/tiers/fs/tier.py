@@ -192,6 +192,8 @@ class FileSystemTier(SecondaryTierManager):
         """Worker thread: open the namespace's files, make the staging buffers if staging, and
         size how far ahead of the stores in flight a slab is claimed."""
         self.files.open(self.direct_io_requested, self.requested_capacity)
+        if self.sealed_slots is not None:
+            self.sealed_slots.populate()
         if self._records_base % 4096:
             self.files.direct_io = False  # O_DIRECT needs aligned memory; a foreign view may not be
         if self.staging_requested == "auto":
