@@ -339,7 +339,8 @@ def format_table(result: dict[str, Any]) -> str:
             if "with_secret" in case:
                 sealed_lag = case["with_secret"]["loop_lag"]
                 line += (
-                    f"; with a secret: p99 {sealed_lag['p99_ms']:.2f} ms, max {sealed_lag['max_ms']:.2f} ms"
+                    f"; with a secret: p99 {sealed_lag['p99_ms']:.2f} ms, "
+                    f"max {sealed_lag['max_ms']:.2f} ms{_lag_parts(sealed_lag)}"
                 )
             lines.append(line)
     for pipe in result["pipelines"]:

@@ -146,3 +146,21 @@ def test_crafted_names_and_namespace_text_are_harmless(
         out = capsys.readouterr().out
         assert "\x1b" not in out and "\x07" not in out
         assert "evil\\x1b]0;owned\\x07" in out
+
+
+def test_fs_verify_checks_a_sealed_namespace(
+    tmp_path: Path, tier_secret_env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    spec = kt.OffloadingSpec(block_nbytes=BLOCK, num_cpu_blocks=8, namespace=NAMESPACE)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+
+    async def store() -> None:
+        config = {"type": "fs", "root": str(root), "secret_env": tier_secret_env}
+        async with kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec) as tier:
+            assert await tier.store([make_key(0), make_key(1)], [0, 1]) == [True, True]
+
+    asyncio.run(store())
+    assert main(["fs", "verify", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "2 blocks checked, 0 corrupt" in out and NAMESPACE not in out

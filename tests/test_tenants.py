@@ -22,7 +22,7 @@ import kvtier_async as kt
 import kvtier_async.tiers.fs
 import kvtier_async.tiers.object_store
 import kvtier_async.tiers.redis_tier  # imported up front: a first import reads files
-from kvtier_async.block_format import encode_block, namespace_id, payload_checksum
+from kvtier_async.block_format import encode_block, namespace_id, sealed_fingerprint
 from kvtier_async.secret import new_secret
 from kvtier_async.testing import make_key
 from kvtier_async.tiers.fs.layout import encode_entry, read_log
@@ -274,7 +274,7 @@ def tamper(directory: Path, record_bytes: int, stored_nbytes: int) -> None:
     seq = max(e.seq for e in entries)
     with open(log, "ab") as f:
         for i, (n, value) in enumerate(new.items(), 1):
-            f.write(encode_entry(seq + i, n, live[n].key, payload_checksum(value[:stored_nbytes])))
+            f.write(encode_entry(seq + i, n, live[n].key, sealed_fingerprint(value[:stored_nbytes])))
 
 
 @pytest.mark.parametrize("tier_type", ["fs", "redis", "s3"])

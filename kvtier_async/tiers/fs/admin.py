@@ -18,11 +18,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...block_format import payload_checksum
+from ...block_format import payload_checksum, sealed_fingerprint
 from ...errors import KVTierError
 from .layout import (
     ENTRY,
     NO_FOLLOW,
+    SEALED_NAMESPACE_LABEL,
     SLAB_RE,
     Entry,
     append_to_log,
@@ -142,6 +143,7 @@ def _verify_slab(
     directory: Path, block_nbytes: int, slab: int, report: NamespaceReport, remove: bool
 ) -> None:
     log_path = slab_path(directory, block_nbytes, slab, "idx")
+    sealed = report.namespace == SEALED_NAMESPACE_LABEL  # its checksums are of sealed values
     try:
         entries, _, _ = read_log(log_path)
         data_fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY | NO_FOLLOW)
@@ -153,13 +155,13 @@ def _verify_slab(
                 continue
             report.blocks += 1
             report.checked += 1
-            if _matches(data_fd, block_nbytes, record, entry):
+            if _matches(data_fd, block_nbytes, record, entry, sealed):
                 continue
             # Its writer may be rewriting it: then the log no longer names this block.
             latest, _, _ = read_log(log_path)
             if latest_per_record(latest).get(record) != entry:
                 continue
-            if _matches(data_fd, block_nbytes, record, entry):
+            if _matches(data_fd, block_nbytes, record, entry, sealed):
                 continue
             report.corrupt.append(entry.key)
             if remove:
@@ -168,12 +170,13 @@ def _verify_slab(
         os.close(data_fd)
 
 
-def _matches(data_fd: int, block_nbytes: int, record: int, entry: Entry) -> bool:
+def _matches(data_fd: int, block_nbytes: int, record: int, entry: Entry, sealed: bool) -> bool:
     offset = record * record_bytes_for(block_nbytes)
     if os.fstat(data_fd).st_size < offset + block_nbytes:  # never allocate for bytes not there
         return False
     data = os.pread(data_fd, block_nbytes, offset)
-    return len(data) == block_nbytes and payload_checksum(data) == entry.checksum
+    checksum = sealed_fingerprint if sealed else payload_checksum
+    return len(data) == block_nbytes and checksum(data) == entry.checksum
 
 
 def gc_root(root: Path, capacity_bytes: int) -> list[NamespaceReport]:

@@ -83,6 +83,9 @@ _ENTRY_MAGIC = 0x4B565432  # "KVT2"
 #: Flags for every open of a namespace directory's files: a symlink is never followed, a FIFO
 #: planted under a file's name never hangs the open.
 NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: What a sealed namespace's NAMESPACE file says: its name is not written in clear, and its
+#: index entries' checksums are of sealed values (`block_format.sealed_fingerprint`).
+SEALED_NAMESPACE_LABEL = "(sealed: the name is known only with the secret)"
 _LOG_READ_BYTES = (1 << 20) // ENTRY * ENTRY
 #: A log is read no further than this (a slab's records, each logged a few times over, fit
 #: many times; a sparse file planted to look huge is not read whole into memory).

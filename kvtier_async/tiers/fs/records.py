@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 from typing import Literal
 
-from ...block_format import payload_checksum
+from ...block_format import payload_checksum, sealed_fingerprint
 from ...fault_log import FaultLog
 from .index import OwnSlab, Record
 from .layout import (
@@ -56,9 +56,18 @@ class RecordIO:
     """
 
     def __init__(
-        self, files: SlabFiles, view: memoryview, own: dict[int, OwnSlab], fault_log: FaultLog
+        self,
+        files: SlabFiles,
+        view: memoryview,
+        own: dict[int, OwnSlab],
+        fault_log: FaultLog,
+        *,
+        sealed: bool = False,
     ) -> None:
         self.files = files
+        #: What an index entry's checksum is of: the payload, or a sealed value's fingerprint
+        #: (its tag authenticates the rest when it is opened: one pass over the bytes, not two).
+        self.checksum = sealed_fingerprint if sealed else payload_checksum
         self.view = view
         self.own = own
         self.fault_log = fault_log
@@ -84,7 +93,7 @@ class RecordIO:
     def checksums(self, offsets: list[int]) -> list[int]:
         """CPU thread: the payload checksums of the primary slots at `offsets`."""
         view = self.view
-        return [payload_checksum(view[offset : offset + self.block_nbytes]) for offset in offsets]
+        return [self.checksum(view[offset : offset + self.block_nbytes]) for offset in offsets]
 
     def write(
         self, jobs: list[WriteJob], summing: Future[list[int]]
@@ -272,7 +281,7 @@ class RecordIO:
             if got[n] < 0:
                 continue
             payload = self.view[offset : offset + self.block_nbytes]
-            if got[n] == self.record_bytes and payload_checksum(payload) == checksum:
+            if got[n] == self.record_bytes and self.checksum(payload) == checksum:
                 status[n] = "ok"
             elif where[0] in self.own:
                 status[n] = "corrupt"  # we are its only writer

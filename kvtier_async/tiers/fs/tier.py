@@ -33,7 +33,7 @@ from ...workers import wait_uncancellable
 from . import layout
 from .following import Following
 from .index import OtherSlab, OwnSlab, Record, SlabIndex
-from .layout import ENTRY, namespace_dir_name, record_bytes_for
+from .layout import ENTRY, SEALED_NAMESPACE_LABEL, namespace_dir_name, record_bytes_for
 from .records import ReadJob, RecordIO, WriteJob
 from .room import Room
 from .sealed_slots import SealedSlots
@@ -48,9 +48,6 @@ DEFAULT_REFRESH_INTERVAL_S = 0.05
 
 #: With a secret, the memory records are sealed and opened in at most (at least a batch).
 SEALED_SLOTS_BYTES = 256 << 20
-
-#: What a sealed namespace's NAMESPACE file says: its name is not written in clear.
-SEALED_NAMESPACE_LABEL = "(sealed: the name is known only with the secret)"
 
 
 class FileSystemTier(SecondaryTierManager):
@@ -147,17 +144,18 @@ class FileSystemTier(SecondaryTierManager):
         records_view = self.primary_kv_view
         if self.codec.sealed:
             limits = offloading_spec.limits
-            count = max(
-                limits.batch_blocks,
-                min(limits.io_threads * limits.batch_blocks, SEALED_SLOTS_BYTES // self.record_bytes),
-            )
+            # A batch for every load and store the scheduler lets run at once, within the cap.
+            in_flight = (limits.max_inflight_loads + limits.max_inflight_stores) * limits.batch_blocks
+            count = max(limits.batch_blocks, min(in_flight, SEALED_SLOTS_BYTES // self.record_bytes))
             self.sealed_slots = SealedSlots(count, self.record_bytes)
             records_view = self.sealed_slots.view
         self._records_base = buffer_address(records_view)
         #: With a secret: the keys behind the names this process stored or found, so that the
         #: tier tells its removal listeners of keys, not names.
         self._keys_of_names: dict[bytes, bytes] = {}
-        self.records = RecordIO(self.files, records_view, self.index.own, self.fault_log)
+        self.records = RecordIO(
+            self.files, records_view, self.index.own, self.fault_log, sealed=self.codec.sealed
+        )
         self.room = Room(self.index, self.files, self.counters, self.fault_log)
         self.following = Following(self.index, self.files, self.room, self.refresh_interval_s)
 
