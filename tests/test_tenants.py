@@ -39,6 +39,8 @@ class RawStore(Protocol):
 
     async def put(self, name: bytes, value: bytes) -> None: ...
 
+    async def aclose(self) -> None: ...
+
 
 class RedisRaw:
     def __init__(self, url: str, prefix: str, cluster: bool) -> None:
@@ -54,6 +56,9 @@ class RedisRaw:
 
     async def put(self, name: bytes, value: bytes) -> None:
         await self.client.set(name, value)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 class S3Raw:
@@ -75,6 +80,9 @@ class S3Raw:
 
     async def put(self, name: bytes, value: bytes) -> None:
         await obstore.put_async(self.store, name.decode(), value)
+
+    async def aclose(self) -> None:
+        pass
 
 
 @pytest.fixture(params=["redis", "redis-cluster", "s3"])
@@ -172,6 +180,19 @@ async def test_shared_store_with_a_secret(
     primary: kt.PrimaryTier,
 ) -> None:
     base, raw = shared
+    try:
+        await shared_store_attacks(base, raw, secrets_env, spec, primary)
+    finally:
+        await raw.aclose()
+
+
+async def shared_store_attacks(
+    base: dict[str, Any],
+    raw: RawStore,
+    secrets_env: tuple[str, str],
+    spec: kt.OffloadingSpec,
+    primary: kt.PrimaryTier,
+) -> None:
     env_a, env_b = secrets_env
     keys = [make_key(i) for i in range(4)]
     async with make_tier({**base, "secret_env": env_a}, primary, spec) as tier_a:

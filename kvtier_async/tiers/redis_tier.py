@@ -51,11 +51,11 @@ from ..block_format import (
     payload_hasher,
     verify_header,
 )
-from ..buffers import new_buffer
 from ..coalesce import Coalescer
 from ..errors import ConfigError
 from ..secret import load_private_value, load_tier_secret
 from ..server_gate import ServerGate
+from ..slot_pool import SlotPool
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from ..tier_resource import INLINE_CPU_BYTES
@@ -72,6 +72,9 @@ DEFAULT_MAX_VALUE_BYTES = 512 << 20
 #: Raw redis-py pipelines on uvloop, 8 MiB values, 256 MiB read at 8 pipelines at once: loop
 #: lag p99 1.7-2.2 ms read in 1 MiB ranges, 4.3-6.6 ms read whole, at the same throughput.
 READ_PIECE_BYTES = HEADER_BYTES + (1 << 20)
+
+#: With a secret, the memory sealed values are built and read in at most (direct connections).
+SEALED_POOL_BYTES = 256 << 20
 
 #: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
 EXISTS_PER_PIPELINE = 1024
@@ -205,6 +208,8 @@ class RedisTier(SecondaryTierManager):
         self._client = client
         self._owns_client = client is None
         self._direct: DirectConnections | None = None  # set up when the tier opens, where it applies
+        #: With a secret, on the direct connections: where values are sealed and read.
+        self._sealed_values: SlotPool | None = None
         self._namespace = self.codec.namespace_tag
         self._name_prefix = f"{prefix}:{self._namespace.hex()}:".encode()
         self.gate = ServerGate(f"{tier_type}/server", max_connections, self.timeout_s)
@@ -235,7 +240,18 @@ class RedisTier(SecondaryTierManager):
                 if self._password is not None:
                     options["password"] = self._password
                 self._direct = DirectConnections(options, self.timeout_s, self._socket_buffer_bytes)
+                if self.codec.sealed:
+                    self._sealed_values = self._value_pool()
+                    await self.run_blocking(self._sealed_values.populate)
         await self.gate.call(self._check_value_limit())
+
+    def _value_pool(self) -> SlotPool:
+        """Where sealed values are built and read on the direct connections: a value for every
+        block of every load and store the scheduler runs at once, within `SEALED_POOL_BYTES`."""
+        limits = self.offloading_spec.limits
+        stride = -(-self.value_nbytes // 4096) * 4096
+        in_flight = (limits.max_inflight_loads + limits.max_inflight_stores) * limits.batch_blocks
+        return SlotPool(max(limits.batch_blocks, min(in_flight, SEALED_POOL_BYTES // stride)), stride)
 
     def _make_client(self) -> Any:
         options: dict[str, Any] = {
@@ -297,10 +313,8 @@ class RedisTier(SecondaryTierManager):
             values = [[header, block] for header, block in zip(headers, blocks)]
             replies = await self.gate.call(self._direct.set_from(names, values, self._ttl_ms))
             stored = [reply == "OK" for reply in replies]
-        elif self._direct is not None:  # sealed: each value built whole, then sent as it is
-            nbytes = len(keys) * self.value_nbytes
-            sealed = await self.run_cpu(nbytes, self.codec.encode_values, list(keys), list(blocks))
-            replies = await self.gate.call(self._direct.set_from(names, [[v] for v in sealed], self._ttl_ms))
+        elif self._direct is not None:  # sealed: each value built whole in the pool, then sent
+            replies = await self._write_sealed_direct(keys, blocks, names)
             stored = [reply == "OK" for reply in replies]
         else:  # redis-py sends a value as one buffer
             nbytes = len(keys) * self.value_nbytes
@@ -358,15 +372,7 @@ class RedisTier(SecondaryTierManager):
             raise RuntimeError("_read_direct without direct connections")
         names = [self.value_name(key) for key in keys]
         if self.codec.sealed:
-            values = [new_buffer(self.value_nbytes) for _ in keys]
-            replies = await self.gate.call(self._direct.get_into(names, [[v] for v in values]))
-            landed = [v if r is True else None for r, v in zip(replies, values)]
-            nbytes = len(keys) * self.value_nbytes
-            ok = await self.run_cpu(nbytes, self.codec.decode_values, list(keys), landed, list(blocks))
-            self.counters[self.codec.failure_counter] += sum(
-                (r is True and not g) or r is False for r, g in zip(replies, ok)
-            )
-            return ok
+            return await self._read_sealed_direct(keys, blocks, names)
         headers = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
         targets = [[header, block] for header, block in zip(headers, blocks)]
         replies = await self.gate.call(self._direct.get_into(names, targets))
@@ -401,6 +407,53 @@ class RedisTier(SecondaryTierManager):
         self.counters["corrupt_blocks"] += sum(r is False for r in replies)
         return ok
 
+    async def _write_sealed_direct(
+        self, keys: Sequence[bytes], blocks: Sequence[memoryview], names: list[bytes]
+    ) -> list[Any]:
+        """Seal each block into a pooled value and send it (direct connections, a secret)."""
+        pool, replies = self._pool(), []
+        for start in range(0, len(keys), pool.count):
+            part = slice(start, start + pool.count)
+            n = len(keys[part])
+            async with pool.borrowed(n, self.value_nbytes) as values:
+                nbytes = n * self.value_nbytes
+                await self.run_cpu(nbytes, _seal_into, self.codec, keys[part], blocks[part], values)
+                replies += await self.gate.call(
+                    self._direct_connections().set_from(names[part], [[v] for v in values], self._ttl_ms)
+                )
+        return replies
+
+    async def _read_sealed_direct(
+        self, keys: Sequence[bytes], blocks: Sequence[memoryview], names: list[bytes]
+    ) -> list[bool]:
+        """Each value into a pooled buffer, then opened into its block (direct connections)."""
+        pool, results = self._pool(), []
+        for start in range(0, len(keys), pool.count):
+            part = slice(start, start + pool.count)
+            n = len(keys[part])
+            async with pool.borrowed(n, self.value_nbytes) as values:
+                replies = await self.gate.call(
+                    self._direct_connections().get_into(names[part], [[v] for v in values])
+                )
+                landed = [v if r is True else None for r, v in zip(replies, values)]
+                nbytes = sum(r is True for r in replies) * self.value_nbytes
+                ok = await self.run_cpu(nbytes, self.codec.decode_values, keys[part], landed, blocks[part])
+            self.counters[self.codec.failure_counter] += sum(
+                (r is True and not g) or r is False for r, g in zip(replies, ok)
+            )
+            results += ok
+        return results
+
+    def _pool(self) -> SlotPool:
+        if self._sealed_values is None:
+            raise RuntimeError("redis tier: sealed values without a pool")
+        return self._sealed_values
+
+    def _direct_connections(self) -> DirectConnections:
+        if self._direct is None:
+            raise RuntimeError("redis tier: direct connections are not set up")
+        return self._direct
+
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited
         return await self._exists([self.value_name(key) for key in keys])
@@ -432,6 +485,7 @@ class RedisTier(SecondaryTierManager):
             "sealed": self.codec.sealed,
             "corrupt_blocks": self.counters["corrupt_blocks"],
             "unauthenticated_blocks": self.counters["unauthenticated_blocks"],
+            "sealed_pool_bytes": 0 if self._sealed_values is None else self._sealed_values.nbytes,
             "writes_refused": self.counters["writes_refused"],
             "server_gate": self.gate.stats(),
             "existence_checks": {"calls": self._exists.calls, "pipelines": self._exists.requests},
@@ -457,3 +511,11 @@ class RedisTier(SecondaryTierManager):
                 return replies
 
         return await self.gate.call(run())
+
+
+def _seal_into(
+    codec: Any, keys: Sequence[bytes], blocks: Sequence[memoryview], values: list[memoryview]
+) -> None:
+    """CPU thread: each block's sealed value into its buffer."""
+    for key, block, value in zip(keys, blocks, values):
+        codec.seal_into(value, block, key)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from ...buffers import address_of as buffer_address
 from ...errors import ConfigError
 from ...keys import check_keys
 from ...secret import load_tier_secret
+from ...slot_pool import SlotPool
 from ...spec import OffloadingSpec
 from ...tier import SecondaryTierManager
 from ...workers import wait_uncancellable
@@ -36,7 +37,6 @@ from .index import OtherSlab, OwnSlab, Record, SlabIndex
 from .layout import ENTRY, SEALED_NAMESPACE_LABEL, namespace_dir_name, record_bytes_for
 from .records import ReadJob, RecordIO, WriteJob
 from .room import Room
-from .sealed_slots import SealedSlots
 from .slab_files import DEFAULT_CAPACITY_BYTES, SlabFiles, close_fd
 from .staging import STAGE_BYTES, address_of, pages_scattered
 
@@ -140,14 +140,14 @@ class FileSystemTier(SecondaryTierManager):
         )
         self.index = SlabIndex(self.record_bytes)  # touched on the event-loop thread only
         #: With a secret, records move through these slots (sealed there), not the primary's.
-        self.sealed_slots: SealedSlots | None = None
+        self.sealed_slots: SlotPool | None = None
         records_view = self.primary_kv_view
         if self.codec.sealed:
             limits = offloading_spec.limits
             # A batch for every load and store the scheduler lets run at once, within the cap.
             in_flight = (limits.max_inflight_loads + limits.max_inflight_stores) * limits.batch_blocks
             count = max(limits.batch_blocks, min(in_flight, SEALED_SLOTS_BYTES // self.record_bytes))
-            self.sealed_slots = SealedSlots(count, self.record_bytes)
+            self.sealed_slots = SlotPool(count, self.record_bytes)
             records_view = self.sealed_slots.view
         self._records_base = buffer_address(records_view)
         #: With a secret: the keys behind the names this process stored or found, so that the
@@ -242,7 +242,7 @@ class FileSystemTier(SecondaryTierManager):
         for start in range(0, len(keys), self._slots().count):
             end = start + self._slots().count
             part_keys, part_blocks = keys[start:end], blocks[start:end]
-            async with self._sealed(len(part_keys)) as sealed:
+            async with self._slots().borrowed(len(part_keys), self.record_bytes) as sealed:
                 await self.run_cpu(
                     len(part_keys) * self.stored_nbytes,
                     _seal,
@@ -266,7 +266,7 @@ class FileSystemTier(SecondaryTierManager):
         for start in range(0, len(keys), self._slots().count):
             end = start + self._slots().count
             part_keys, part_blocks = keys[start:end], blocks[start:end]
-            async with self._sealed(len(part_keys)) as sealed:
+            async with self._slots().borrowed(len(part_keys), self.record_bytes) as sealed:
                 names = [sealer.name(key) for key in part_keys]
                 found = await self._read_records(names, sealed)
                 nbytes = found.count(True) * self.stored_nbytes
@@ -278,21 +278,10 @@ class FileSystemTier(SecondaryTierManager):
             results += opened
         return results
 
-    def _slots(self) -> SealedSlots:
+    def _slots(self) -> SlotPool:
         if self.sealed_slots is None:
             raise RuntimeError("fs tier: sealed slots without a secret")
         return self.sealed_slots
-
-    @contextlib.asynccontextmanager
-    async def _sealed(self, count: int) -> AsyncIterator[list[memoryview]]:
-        """`count` sealed slots (whole records), given back when the block ends: by then
-        the records' I/O into them has finished (their worker-thread work is awaited to the end)."""
-        slots = self._slots()
-        taken = await slots.take(count)
-        try:
-            yield [slots.slot(i, self.record_bytes) for i in taken]
-        finally:
-            slots.give(taken)
 
     def _names(self, keys: Sequence[bytes]) -> list[bytes]:
         """The names `keys` are kept under in the index (themselves, or keyed with a secret)."""

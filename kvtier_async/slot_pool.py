@@ -1,42 +1,43 @@
-"""`SealedSlots`: page-aligned memory where a tier with a secret keeps records while it seals
-or opens them.
+"""`SlotPool`: page-aligned memory in fixed slots, made once, handed out first come, first served.
 
-With a secret, what goes to disk is not the primary slot's bytes but their sealed value
-(`block_format.BlockSealer`), a little longer. The records' I/O (`records.RecordIO`) works
-on slots of one memory region by their offsets, with O_DIRECT; this is that region for sealed
-records: a fixed number of record-sized slots, made once when the tier opens (so nothing is
-allocated on the hot path), handed out on the event-loop thread first come, first served.
-Like our primary tier's memory it is in transparent huge pages, faulted in order when the
-tier opens (`populate`): O_DIRECT into freshly faulted 4 KiB pages that lie scattered in RAM
-runs at half the disk's speed here (see `staging`).
+A tier with a secret cannot move a block straight between the primary memory and its store:
+what it stores is the block's sealed value (`block_format.BlockSealer`), a little longer. It
+seals into, and reads sealed values into, slots of a pool like this one, made when the tier is
+made (nothing allocated on the hot path) and faulted in when it opens (`populate`): memory
+faulted page by page while a load reads into it costs the reading thread the faults (the
+event loop's, for the Redis tier's direct connections), and O_DIRECT into freshly faulted
+4 KiB pages that lie scattered in RAM runs at half the disk's speed here (see the fs tier's
+`staging`). The pool is in transparent huge pages, like our primary tier's memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+from collections.abc import AsyncIterator
 
-from ...primary import reserve_host_memory
+from .primary import reserve_host_memory
 
-__all__ = ["SealedSlots"]
+__all__ = ["SlotPool"]
 
 
-class SealedSlots:
-    """`count` slots of `record_bytes`; `take(n)` waits until n are free (n <= count)."""
+class SlotPool:
+    """`count` slots of `slot_bytes`; `take(n)` waits until n are free (n <= count)."""
 
-    def __init__(self, count: int, record_bytes: int) -> None:
+    def __init__(self, count: int, slot_bytes: int) -> None:
         if count < 1:
-            raise ValueError("SealedSlots: at least one slot")
+            raise ValueError("SlotPool: at least one slot")
         self.count = count
-        self.record_bytes = record_bytes
-        self._map = reserve_host_memory(count * record_bytes)  # page aligned, zero filled
+        self.slot_bytes = slot_bytes
+        self._map = reserve_host_memory(count * slot_bytes)  # page aligned, zero filled
         self.view = memoryview(self._map)
         self._free = list(range(count))
         self._waiters: collections.deque[tuple[int, asyncio.Future[list[int]]]] = collections.deque()
 
     @property
     def nbytes(self) -> int:
-        return self.count * self.record_bytes
+        return self.count * self.slot_bytes
 
     def populate(self) -> None:
         """Fault every page in now, in order (a worker thread's work: it writes every byte)."""
@@ -48,13 +49,13 @@ class SealedSlots:
 
     def slot(self, index: int, nbytes: int) -> memoryview:
         """The first `nbytes` of slot `index`."""
-        start = index * self.record_bytes
+        start = index * self.slot_bytes
         return self.view[start : start + nbytes]
 
     async def take(self, n: int) -> list[int]:
         """n free slots, in turn with the callers before (event-loop thread)."""
         if not 1 <= n <= self.count:
-            raise ValueError(f"SealedSlots.take: {n} of {self.count} slots")
+            raise ValueError(f"SlotPool.take: {n} of {self.count} slots")
         if not self._waiters and len(self._free) >= n:
             return self._taken(n)
         future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
@@ -68,6 +69,16 @@ class SealedSlots:
                 self._waiters.remove((n, future))
                 self._wake()
             raise
+
+    @contextlib.asynccontextmanager
+    async def borrowed(self, n: int, nbytes: int) -> AsyncIterator[list[memoryview]]:
+        """The first `nbytes` of n slots, given back when the block ends. Whoever uses them
+        finishes every thread's and every connection's use of them inside the block."""
+        taken = await self.take(n)
+        try:
+            yield [self.slot(i, nbytes) for i in taken]
+        finally:
+            self.give(taken)
 
     def give(self, slots: list[int]) -> None:
         """Give slots back (event-loop thread): the records' I/O into them has finished."""
