@@ -78,6 +78,8 @@ class TieredKVCache(AsyncResource):
         self.spec = spec
         self.limits = spec.limits
         self.primary = PrimaryTier(spec, pin_memory=pin_memory, resident=False)  # see `_open`
+        if layers[0].device.type == "cuda":
+            self.primary.cuda_device = layers[0].device  # registered under it, not device 0
         self.copy_engine = CopyEngine(layers, self.primary, threads=self.limits.copy_threads)
         self.scheduler = Scheduler(self.limits)
         self.tiers: list[SecondaryTierManager] = []
@@ -119,6 +121,7 @@ class TieredKVCache(AsyncResource):
 
     async def _make_resident(self) -> None:
         await self.scheduler.run_blocking(self.primary.make_resident)
+        await self.copy_engine.open()  # its streams and staging, once the buffer is pinned
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -139,7 +142,7 @@ class TieredKVCache(AsyncResource):
         return self.copy_engine.num_device_blocks
 
     # -- store -----------------------------------------------------------------------------------
-    async def store(self, keys: Sequence[bytes], device_block_ids: Sequence[int]) -> int:
+    async def store(self, keys: Sequence[bytes], device_block_ids: Sequence[int], after: Any = None) -> int:
         """Offload device blocks under `keys`; returns how many leading blocks were accepted.
 
         Keys already held count as accepted and are not copied again. Returns
@@ -147,11 +150,18 @@ class TieredKVCache(AsyncResource):
         continue in the background (`flush()` waits for them). A block is not
         accepted when no primary slot can be had without waiting on other
         calls' work: stores are best effort.
+
+        `after` says what produced those blocks, so that the copy reads them only once that
+        is done: a `torch.cuda.Event`, or a `torch.cuda.Stream` (its work queued so far). The
+        default is the work queued so far on the calling thread's current stream of the
+        cache's device: pass the stream explicitly when the model writes its KV from another
+        thread or on a side stream. On a machine without CUDA, leave it None.
         """
         keys, ids = self._check_args(keys, device_block_ids)
+        mark = self.copy_engine.mark(after, "after")  # now, on the calling thread
         with self._operation():
             await self._open()
-            return await self._stores.store(keys, ids)
+            return await self._stores.store(keys, ids, mark)
 
     async def flush(self) -> None:
         """Wait until every accepted store has reached every secondary tier (or failed there)."""
@@ -176,20 +186,31 @@ class TieredKVCache(AsyncResource):
 
     # -- load and prefetch --------------------------------------------------------------------------
     async def load(
-        self, keys: Sequence[bytes], device_block_ids: Sequence[int], timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        device_block_ids: Sequence[int],
+        timeout: float | None = None,
+        consumer: Any = None,
     ) -> int:
         """Copy the longest available prefix of `keys` into `device_block_ids`; returns its length.
 
         Blocks come from the primary tier, else from the first secondary tier
         holding them (promoted into the primary tier on the way). With a
         `timeout` (seconds), returns the prefix complete by then.
+
+        `consumer` is the `torch.cuda.Stream` that will read the blocks (or an event): the copy
+        first waits for the work queued there so far (the device blocks' earlier readers);
+        default: the calling thread's current stream of the cache's device. The blocks are
+        complete when the call returns, for work queued afterwards on any stream: no stream is
+        made to wait on the copy. On a machine without CUDA, leave it None.
         """
         keys, ids = self._check_args(keys, device_block_ids)
         _check_timeout(timeout)
+        mark = self.copy_engine.mark(consumer, "consumer")  # now, on the calling thread
         with self._operation():
             await self._open()
             self.counters["load_calls"] += 1
-            loaded = await self._loads.run(keys, ids, timeout, Priority.LOAD)
+            loaded = await self._loads.run(keys, ids, timeout, Priority.LOAD, mark)
             self.counters["loaded_blocks"] += loaded
             return loaded
 
@@ -204,8 +225,9 @@ class TieredKVCache(AsyncResource):
 
     # -- the rest ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """A plain dict: primary-tier gauges, call and block counters, limits, the scheduler's
-        lanes (`<tier>/load`, `<tier>/store`, `bytes_in_flight`) and per-tier stats."""
+        """A plain dict: primary-tier gauges, call and block counters, the copy engine's
+        (`copies`), limits, the scheduler's lanes (`<tier>/load`, `<tier>/store`,
+        `bytes_in_flight`) and per-tier stats."""
         out: dict[str, Any] = dict(self.primary.stats())
         for name in (
             "store_calls",
@@ -223,6 +245,7 @@ class TieredKVCache(AsyncResource):
         ):
             out[name] = self.counters[name]
         out["background_stores"] = len(self._stores.background)
+        out["copies"] = self.copy_engine.stats()  # staging memory, chunks, memory copies
         out["limits"] = asdict(self.limits)
         out["tiers"] = {tier.name: tier.stats() for tier in self.tiers}  # makes every tier's lanes
         out["scheduler"] = self.scheduler.stats()

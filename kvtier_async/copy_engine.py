@@ -5,38 +5,63 @@ layer, or one for everything); the bytes of block `b` across them, in order,
 make one `block_nbytes` primary slot. This is the one seam between device
 memory and the host.
 
-CUDA (device tensors and a pinned primary tier): each direction has its own
-stream. Device -> host first waits for the stream that produced the KV (the
-caller's current stream), gathers the scattered blocks into a contiguous device
-staging buffer, and moves each run of neighbouring slots with one DMA. Host ->
-device is the mirror image, and the caller's current stream is made to wait
-for it. Completion is an event polled from the event loop with a short
-backoff: no thread and no `synchronize()` on the loop. A cancelled copy still
-waits for its DMA to finish, since it reads or writes buffers the caller owns.
+A call's blocks move in chunks of at most `staging_blocks`, at most `CHUNKS_IN_FLIGHT` of them
+queued at once per direction (`_run_chunks`): a chunk's buffers are used again only once its
+copy has finished, and a call returns, or raises (cancellation included), only once every
+copy it queued has finished, so the caller may release its slots and device blocks at once.
+What differs between a GPU and a CPU is behind one small interface (`start` a chunk's copy,
+`finish` it), so that this logic is the same code, tested on CPU:
 
-Elsewhere (CPU tensors standing in for device memory, or an unpinned primary
-tier) the copies run on worker threads, which release the GIL. CPU-to-CPU
-copies go through numpy, on the worker alone: torch would split each large
-copy over its intra-op OpenMP pool, a second team of busy threads per worker
-that nobody sized. On the 2-core test machine that doubled the event loop's
-worst stall while storing (six interleaved runs of `bench/loop_lag.py`:
-14-23 ms with torch, 4-11 ms with numpy).
+- CUDA (device tensors and a pinned primary tier), `_StreamCopies`: each direction has a
+  stream, and per chunk in flight a device staging buffer and an index buffer, all made once
+  when the cache opens (`open`), under the cache's device, and counted in `stats()`. Device
+  to host: one `index_select` per layer gathers the chunk's blocks into staging (bytes past
+  `block_nbytes` of a staging row stay zero, so a slot's padding is zeros, never old device
+  memory), then one `cudaMemcpyAsync` per run of neighbouring slots. Host to device mirrors
+  it with `index_copy_`. What a copy must wait for is an event recorded when the call
+  started (`mark`): on the producer's stream for a store (`after=`, default: the calling
+  thread's current stream), on the consumer's for a load (`consumer=`: the blocks' earlier
+  readers); the copy stream waits for it once, and nothing else waits for the copy: the call
+  returns after it completed. Completion is learned by a waiter thread blocking on the
+  chunk's event (a blocking-sync event: it sleeps), then waking the loop; the loop thread
+  never synchronizes.
+- Elsewhere (CPU tensors standing in for device memory, or an unpinned primary tier),
+  `_ThreadCopies`: each chunk's copies run on a worker thread, which releases the GIL.
+  CPU-to-CPU copies go through numpy, on the worker alone: torch would split each large copy
+  over its intra-op OpenMP pool, a second team of busy threads per worker that nobody sized.
+  On the 2-core test machine that doubled the event loop's worst stall while storing (six
+  interleaved runs of `bench/loop_lag.py`: 14-23 ms with torch, 4-11 ms with numpy).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from functools import partial
+from typing import Any, Protocol
 
 import numpy
 import torch
 
 from .errors import InvalidArgumentError
 from .primary import PrimaryTier
-from .workers import WorkerThreads
+from .workers import WorkerThreads, wait_uncancellable
 
-__all__ = ["CopyEngine", "as_layer_list", "block_widths"]
+__all__ = ["CHUNKS_IN_FLIGHT", "STAGING_TARGET_BYTES", "CopyEngine", "as_layer_list", "block_widths"]
+
+#: Chunks of a direction queued at once: one copying while the next is being queued.
+CHUNKS_IN_FLIGHT = 2
+#: Bytes of one chunk (its device staging buffer): large enough that a copy's fixed costs
+#: vanish, small enough that two per direction cost the engine little device memory.
+STAGING_TARGET_BYTES = 16 << 20
+
+TO_HOST = "to_host"
+TO_DEVICE = "to_device"
+
+#: A layer as [num_blocks, width] bytes, and its byte offset inside a slot.
+Part = tuple[torch.Tensor, int, int]
 
 
 def as_layer_list(kv_caches: Any) -> list[torch.Tensor]:
@@ -99,20 +124,17 @@ class CopyEngine:
         self.num_device_blocks = num_blocks
         self.device = layers[0].device
         self._primary = primary
-        # Each layer as [num_blocks, width] bytes, with its byte offset inside a slot.
-        self._parts: list[tuple[torch.Tensor, int, int]] = []
+        self._parts: list[Part] = []
         offset = 0
         for layer, width in zip(layers, widths):
             self._parts.append((layer.view(num_blocks, -1).view(torch.uint8), offset, width))
             offset += width
-        # The same parts as numpy arrays, made once, where the layers are in host memory too.
-        self._numpy_parts = (
-            [(part.detach().numpy(), offset, width) for part, offset, width in self._parts]
-            if self.device.type == "cpu"
-            else None
-        )
+        self.staging_blocks = max(1, STAGING_TARGET_BYTES // primary.stride)
         self._workers = WorkerThreads(threads, "kvtier-copy")
-        self._streams: dict[str, Any] = {}
+        self._backend: _Copies | None = None
+        self._free: dict[str, asyncio.Queue[int]] = {}
+        self.counters: Counter[str] = Counter()
+        self._copies_per_chunk = {TO_HOST: 0, TO_DEVICE: 0}
 
     @property
     def uses_streams(self) -> bool:
@@ -120,95 +142,270 @@ class CopyEngine:
         is once the primary tier is resident; until then, copies wait in worker threads)."""
         return self.device.type == "cuda" and self._primary.pinned
 
-    async def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> None:
-        """Copy device blocks into primary slots; the device blocks may be reused on return."""
-        if not device_ids:
+    async def open(self) -> None:
+        """Make the copies' streams and buffers (a worker thread's work); the first copy does
+        it otherwise. Call once the primary tier is resident."""
+        if self._backend is not None:
             return
         if self.uses_streams:
-            await _await_event(*self._enqueue_to_host(list(device_ids), list(slots)))
+            backend: _Copies = await self._workers.run(
+                _StreamCopies, self.device, self._parts, self._primary.buffer, self.staging_blocks
+            )
         else:
-            # Awaited to the end even when cancelled: the thread touches buffers the caller owns.
-            await self._workers.run(self._copy_to_host, list(device_ids), list(slots))
+            backend = _ThreadCopies(self._parts, self._primary, self._workers)
+        if self._backend is None:  # another call may have opened it meanwhile
+            self._backend = backend
+            self._free = {d: asyncio.Queue() for d in (TO_HOST, TO_DEVICE)}
+            for queue in self._free.values():
+                for buffer in range(CHUNKS_IN_FLIGHT):
+                    queue.put_nowait(buffer)
 
-    async def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> None:
-        """Copy primary slots into device blocks; they are valid on return (and for work
-        queued afterwards on the caller's current stream)."""
-        if not slots:
+    # -- what a copy waits for -----------------------------------------------------------------
+    def mark(self, on: Any, what: str) -> Any:
+        """At a call's entry, on the calling thread: what its copies must wait for.
+
+        `on` is a `torch.cuda.Event` (used as it is), a `torch.cuda.Stream` (an event recorded
+        on it now) or None (an event recorded now on the calling thread's current stream of
+        the cache's device). With blocks in host memory there is nothing to wait for: None,
+        and `on` must be None too.
+        """
+        if self.device.type != "cuda":
+            if on is not None:
+                raise InvalidArgumentError(
+                    f"{what} takes a CUDA event or stream; this cache's blocks are in host memory"
+                )
+            return None
+        if on is not None and not isinstance(on, (torch.cuda.Event, torch.cuda.Stream)):
+            raise InvalidArgumentError(
+                f"{what} must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(on).__name__}"
+            )
+        if isinstance(on, torch.cuda.Event):
+            return on
+        with torch.cuda.device(self.device):
+            stream = on if on is not None else torch.cuda.current_stream(self.device)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return event
+
+    # -- the copies ----------------------------------------------------------------------------
+    async def to_host(self, device_ids: Sequence[int], slots: Sequence[int], after: Any = None) -> None:
+        """Copy device blocks into primary slots once what `after` marks (`mark`) is done; the
+        device blocks may be reused on return."""
+        await self._run_chunks(TO_HOST, list(device_ids), list(slots), after)
+
+    async def to_device(self, slots: Sequence[int], device_ids: Sequence[int], consumer: Any = None) -> None:
+        """Copy primary slots into device blocks once what `consumer` marks (`mark`) is done;
+        they are valid on return, for work queued afterwards on any stream."""
+        await self._run_chunks(TO_DEVICE, list(slots), list(device_ids), consumer)
+
+    async def _run_chunks(self, direction: str, sources: list[int], targets: list[int], mark: Any) -> None:
+        """Queue the copy chunk by chunk, at most CHUNKS_IN_FLIGHT at once; return (or raise)
+        only once every copy queued has finished, and give a chunk's buffers back only then."""
+        if not sources:
             return
-        if self.uses_streams:
-            await _await_event(*self._enqueue_to_device(list(slots), list(device_ids)))
-        else:
-            await self._workers.run(self._copy_to_device, list(slots), list(device_ids))
+        await self.open()
+        backend, free = self._backend, self._free[direction]
+        if backend is None:
+            raise RuntimeError("copy engine: not opened")
+        finishing: list[asyncio.Future[None]] = []
+        step = self.staging_blocks
+        try:
+            for start in range(0, len(sources), step):
+                buffer = await free.get()
+                try:
+                    handle, copies = await backend.start(
+                        direction, buffer, sources[start : start + step], targets[start : start + step], mark
+                    )
+                except BaseException:
+                    free.put_nowait(buffer)  # nothing was queued into it
+                    raise
+                mark = None  # the stream waits once: later chunks follow in its order
+                self._copies_per_chunk[direction] = copies
+                self.counters[f"{direction}_chunks"] += 1
+                self.counters[f"{direction}_memcpy_calls"] += copies
+                done = asyncio.ensure_future(backend.finish(handle))
+                done.add_done_callback(partial(_give_back, free, buffer))
+                finishing.append(done)
+        finally:
+            if finishing:  # every queued copy ends before we return or raise, cancelled or not
+                outcomes = await wait_uncancellable(asyncio.gather(*finishing, return_exceptions=True))
+                failed = [o for o in outcomes if isinstance(o, BaseException)]
+                if failed:
+                    raise failed[0]
 
-    # -- CUDA: enqueue on a side stream, then poll an event ------------------------------------
-    def _stream(self, direction: str) -> Any:
-        if direction not in self._streams:
-            self._streams[direction] = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        return self._streams[direction]
-
-    def _device_index(self, ids: list[int]) -> torch.Tensor:
-        # From pinned memory, so the small upload is asynchronous too.
-        return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-
-    def _enqueue_to_host(self, device_ids: list[int], slots: list[int]) -> tuple[Any, list[Any]]:
-        host = self._primary.buffer
-        producer = torch.cuda.current_stream(self.device)
-        stream = self._stream("to_host")
-        with torch.cuda.stream(stream):
-            stream.wait_stream(producer)  # the KV must be complete before we read it
-            index = self._device_index(device_ids)
-            staging = torch.empty((len(device_ids), host.shape[1]), dtype=torch.uint8, device=self.device)
-            for part, offset, width in self._parts:
-                staging.narrow(1, offset, width).copy_(part.index_select(0, index))
-            for start, first, count in _slot_runs(slots):
-                host[first : first + count].copy_(staging[start : start + count], non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        return event, [index, staging]  # kept alive until the event has fired
-
-    def _enqueue_to_device(self, slots: list[int], device_ids: list[int]) -> tuple[Any, list[Any]]:
-        host = self._primary.buffer
-        stream = self._stream("to_device")
-        consumer = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(stream):
-            stream.wait_stream(consumer)  # earlier work on those device blocks goes first
-            staging = torch.empty((len(slots), host.shape[1]), dtype=torch.uint8, device=self.device)
-            for start, first, count in _slot_runs(slots):
-                staging[start : start + count].copy_(host[first : first + count], non_blocking=True)
-            index = self._device_index(device_ids)
-            for part, offset, width in self._parts:
-                part.index_copy_(0, index, staging.narrow(1, offset, width))
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        consumer.wait_event(event)  # work queued later on the caller's stream sees the blocks
-        return event, [index, staging]
+    def stats(self) -> dict[str, Any]:
+        backend = self._backend
+        return {
+            "mode": "streams" if isinstance(backend, _StreamCopies) else "threads",
+            "staging_bytes": backend.nbytes if backend is not None else 0,
+            "staging_blocks": self.staging_blocks,
+            "chunks_to_host": self.counters[f"{TO_HOST}_chunks"],
+            "chunks_to_device": self.counters[f"{TO_DEVICE}_chunks"],
+            "memcpy_calls_to_host": self.counters[f"{TO_HOST}_memcpy_calls"],
+            "memcpy_calls_to_device": self.counters[f"{TO_DEVICE}_memcpy_calls"],
+            "memcpy_calls_per_chunk": dict(self._copies_per_chunk),
+        }
 
     def close(self) -> None:
         self._workers.close()
+        if self._backend is not None:
+            self._backend.close()
 
-    # -- elsewhere: copies on worker threads (numpy for host to host, torch otherwise) ---------------
 
-    def _copy_to_host(self, device_ids: list[int], slots: list[int]) -> None:
+class _Copies(Protocol):
+    """What differs between a GPU and a CPU: queueing one chunk's copy, and learning it ended."""
+
+    nbytes: int
+
+    async def start(
+        self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: Any
+    ) -> tuple[Any, int]:
+        """Queue one chunk's copy through `buffer` (idle: its last copy finished), after `mark`;
+        (a handle for `finish`, the number of memory copies it took)."""
+
+    def finish(self, handle: Any) -> Awaitable[None]:
+        """Wait for a queued chunk's copy to end (raising its error)."""
+
+    def close(self) -> None: ...
+
+
+class _StreamCopies:
+    """Chunks through device staging buffers on one CUDA stream per direction."""
+
+    def __init__(
+        self, device: torch.device, parts: list[Part], host: torch.Tensor, staging_blocks: int
+    ) -> None:
+        # A worker thread's work: allocations, and a wait for the zeroing to end.
+        self.device = device
+        self.parts = parts
+        self.host = host
+        stride = host.shape[1]
+        with torch.cuda.device(device):
+            self.streams = {d: torch.cuda.Stream(device) for d in (TO_HOST, TO_DEVICE)}  # type: ignore[no-untyped-call]
+            # Zeroed once: gathers write each row's first block_nbytes only, so a slot's padding
+            # that comes from here is zeros.
+            self.staging = {
+                d: [
+                    torch.zeros((staging_blocks, stride), dtype=torch.uint8, device=device)
+                    for _ in range(CHUNKS_IN_FLIGHT)
+                ]
+                for d in (TO_HOST, TO_DEVICE)
+            }
+            self.index_host = {
+                d: [
+                    torch.empty(staging_blocks, dtype=torch.long, pin_memory=True)
+                    for _ in range(CHUNKS_IN_FLIGHT)
+                ]
+                for d in (TO_HOST, TO_DEVICE)
+            }
+            self.index_device = {
+                d: [
+                    torch.empty(staging_blocks, dtype=torch.long, device=device)
+                    for _ in range(CHUNKS_IN_FLIGHT)
+                ]
+                for d in (TO_HOST, TO_DEVICE)
+            }
+            torch.cuda.current_stream(device).synchronize()  # the zeros are there before any use
+        self.nbytes = 2 * CHUNKS_IN_FLIGHT * staging_blocks * (stride + 2 * 8)
+        self._waiters = WorkerThreads(2 * CHUNKS_IN_FLIGHT, "kvtier-cuda-wait")
+
+    async def start(
+        self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: Any
+    ) -> tuple[Any, int]:
+        n = len(sources)
+        rows = self.staging[direction][buffer][:n]
+        index_host = self.index_host[direction][buffer][:n]
+        index_device = self.index_device[direction][buffer][:n]
+        stream = self.streams[direction]
+        device_ids, slots = (sources, targets) if direction == TO_HOST else (targets, sources)
+        index_host.copy_(torch.as_tensor(device_ids, dtype=torch.long))  # idle buffer: host side
+        copies = 1  # the index upload
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if mark is not None:
+                stream.wait_event(mark)
+            index_device.copy_(index_host, non_blocking=True)
+            if direction == TO_HOST:
+                for part, offset, width in self.parts:
+                    torch.index_select(part, 0, index_device, out=rows[:, offset : offset + width])
+                for start, first, count in _slot_runs(slots):
+                    self.host[first : first + count].copy_(rows[start : start + count], non_blocking=True)
+                    copies += 1
+            else:
+                for start, first, count in _slot_runs(slots):
+                    rows[start : start + count].copy_(self.host[first : first + count], non_blocking=True)
+                    copies += 1
+                for part, offset, width in self.parts:
+                    part.index_copy_(0, index_device, rows[:, offset : offset + width])
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # its waiter sleeps
+            done.record(stream)
+        return done, copies
+
+    def finish(self, handle: Any) -> Awaitable[None]:
+        return self._waiters.run(self._wait, handle)
+
+    def _wait(self, event: Any) -> None:
+        with torch.cuda.device(self.device):
+            event.synchronize()
+
+    def close(self) -> None:
+        self._waiters.close()
+
+
+class _ThreadCopies:
+    """Chunks copied by worker threads (numpy for host to host, torch otherwise)."""
+
+    nbytes = 0
+
+    def __init__(self, parts: list[Part], primary: PrimaryTier, workers: WorkerThreads) -> None:
+        self.parts = parts
+        self.primary = primary
+        self.workers = workers
+        # The same parts as numpy arrays, made once, where the layers are in host memory too.
+        self.numpy_parts = (
+            [(part.detach().numpy(), offset, width) for part, offset, width in parts]
+            if parts[0][0].device.type == "cpu"
+            else None
+        )
+
+    async def start(
+        self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: Any
+    ) -> tuple[Any, int]:
+        device_ids, slots = (sources, targets) if direction == TO_HOST else (targets, sources)
+        runs = _paired_runs(device_ids, slots)
+        future = await self.workers.submit(self._copy, direction, runs, mark)
+        return future, len(runs) * len(self.parts)
+
+    def finish(self, handle: Future[None]) -> Awaitable[None]:
+        return asyncio.wrap_future(handle)
+
+    def _copy(self, direction: str, runs: list[tuple[int, int, int]], mark: Any) -> None:
+        if mark is not None:  # device blocks, host memory not pinned: wait for their producer
+            mark.synchronize()
         host, parts, copy = self._host_side()
-        for device_first, slot_first, count in _paired_runs(device_ids, slots):
+        for device_first, slot_first, count in runs:
             rows = host[slot_first : slot_first + count]
             for part, offset, width in parts:
-                copy(rows[:, offset : offset + width], part[device_first : device_first + count])
-
-    def _copy_to_device(self, slots: list[int], device_ids: list[int]) -> None:
-        host, parts, copy = self._host_side()
-        for device_first, slot_first, count in _paired_runs(device_ids, slots):
-            rows = host[slot_first : slot_first + count]
-            for part, offset, width in parts:
-                copy(part[device_first : device_first + count], rows[:, offset : offset + width])
+                device = part[device_first : device_first + count]
+                if direction == TO_HOST:
+                    copy(rows[:, offset : offset + width], device)
+                else:
+                    copy(device, rows[:, offset : offset + width])
 
     def _host_side(self) -> tuple[Any, list[tuple[Any, int, int]], Callable[[Any, Any], Any]]:
         """(primary buffer, layer parts, copy(into, source)): numpy arrays and `numpy.copyto`,
         single-threaded with the GIL released, where the layers are in host memory; tensors
         and `Tensor.copy_` otherwise."""
-        if self._numpy_parts is not None:
-            return self._primary.buffer.numpy(), self._numpy_parts, numpy.copyto
-        return self._primary.buffer, self._parts, torch.Tensor.copy_
+        if self.numpy_parts is not None:
+            return self.primary.buffer.numpy(), self.numpy_parts, numpy.copyto
+        return self.primary.buffer, self.parts, torch.Tensor.copy_
+
+    def close(self) -> None:
+        pass
+
+
+def _give_back(free: asyncio.Queue[int], buffer: int, _: object) -> None:
+    """A chunk's copy has ended: its buffers are free for the next chunk."""
+    free.put_nowait(buffer)
 
 
 def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
@@ -228,22 +425,3 @@ def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int
 def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """(position in `slots`, first slot, count) for each run of consecutive slot numbers."""
     return _paired_runs(list(range(len(slots))), slots)  # positions always go up by one
-
-
-async def _await_event(event: Any, keep_alive: list[Any]) -> None:
-    """Poll a CUDA event from the event loop (backing off to 1 ms) until it has fired.
-
-    If cancelled meanwhile, keeps waiting, then re-raises: the copy reads or
-    writes buffers the caller owns. `keep_alive` holds the staging tensors until then.
-    """
-    delay = 50e-6
-    cancelled: asyncio.CancelledError | None = None
-    while not event.query():
-        try:
-            await asyncio.sleep(delay)
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-        delay = min(delay * 2, 1e-3)
-    del keep_alive[:]
-    if cancelled is not None:
-        raise cancelled

@@ -111,14 +111,16 @@ class LoadPipeline:
         ids: list[int] | None,
         timeout: float | None,
         priority: Priority,
+        consumer: Any = None,
     ) -> int:
         """Load `keys` into device blocks `ids` (None: into the primary tier only, a prefetch);
-        returns how many leading blocks arrived, within `timeout` seconds if given."""
+        returns how many leading blocks arrived, within `timeout` seconds if given. The device
+        copies wait for what `consumer` marks (`CopyEngine.mark`)."""
         progress = [0]
         if timeout is None:
-            await self._load(keys, ids, progress, priority)
+            await self._load(keys, ids, progress, priority, consumer)
             return progress[0]
-        task = asyncio.ensure_future(self._load(keys, ids, progress, priority))
+        task = asyncio.ensure_future(self._load(keys, ids, progress, priority, consumer))
         ours: asyncio.CancelledError | None = None
         try:
             await asyncio.wait({task}, timeout=timeout)
@@ -137,7 +139,12 @@ class LoadPipeline:
         return progress[0]
 
     async def _load(
-        self, keys: list[bytes], ids: list[int] | None, progress: list[int], priority: Priority
+        self,
+        keys: list[bytes],
+        ids: list[int] | None,
+        progress: list[int],
+        priority: Priority,
+        consumer: Any,
     ) -> None:
         """Move blocks chunk by chunk until the first one that is not available anywhere.
 
@@ -167,7 +174,7 @@ class LoadPipeline:
                 if ids is not None and staged.cut:
                     prefix = [slot for slot in staged.slots[: staged.cut] if slot is not None]
                     copy = asyncio.ensure_future(
-                        self.copy_engine.to_device(prefix, ids[pos : pos + staged.cut])
+                        self.copy_engine.to_device(prefix, ids[pos : pos + staged.cut], consumer)
                     )
                 # Handed over before the next await: from here the `finally` below releases it.
                 previous, inflight = inflight, _InFlight(staged, copy, pos + staged.cut)

@@ -23,6 +23,7 @@ import mmap
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -62,17 +63,25 @@ def _populate(mapping: mmap.mmap, flat: torch.Tensor) -> None:
         flat[::ALIGNMENT].zero_()
 
 
-def _cuda_host_register(address: int, nbytes: int) -> None:
-    """Page-lock host memory for asynchronous DMA (what `pin_memory=True` allocations get)."""
+def _cuda_host_register(address: int, nbytes: int, device: Any) -> Any:
+    """Page-lock host memory for asynchronous DMA (what `pin_memory=True` allocations get),
+    under `device` (None: the calling thread's current one); returns the device. A raw cudart
+    call on a worker thread, whose current device is 0, would make a context on GPU 0
+    (0.3-0.5 GiB there) in every process of a multi-GPU host."""
     portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not just the current one
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))  # type: ignore[no-untyped-call]
+    if device is None:
+        device = torch.cuda.current_device()
+    with torch.cuda.device(device):
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))  # type: ignore[no-untyped-call]
+    return device
 
 
-def _cuda_host_unregister(address: int) -> None:
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
+def _cuda_host_unregister(address: int, device: Any) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
 
 
-def _unpin_before_unmap(pinned_at: list[int], mapping: mmap.mmap) -> None:
+def _unpin_before_unmap(pinned_at: list[tuple[int, Any]], mapping: mmap.mmap) -> None:
     """A `PrimaryTier` that was never told to give its memory back is gone: unpin its buffer
     while the mapping still exists (this finalizer holds the last reference to it).
 
@@ -83,7 +92,7 @@ def _unpin_before_unmap(pinned_at: list[int], mapping: mmap.mmap) -> None:
     """
     if pinned_at:
         with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
-            _cuda_host_unregister(pinned_at.pop())
+            _cuda_host_unregister(*pinned_at.pop())
     del mapping
 
 
@@ -111,8 +120,11 @@ class PrimaryTier:
         self.pinned = False
         self.resident = False
         self._mapping = reserve_host_memory(self.num_slots * self.stride)
-        #: The address registered with CUDA, while it is (shared with the finalizer).
-        self._pinned_at: list[int] = []
+        #: The CUDA device the buffer is registered under: the device of the KV it stages
+        #: (`TieredKVCache` sets it); None: the current device of the thread registering it.
+        self.cuda_device: Any = None
+        #: (address, device) registered with CUDA, while it is (shared with the finalizer).
+        self._pinned_at: list[tuple[int, Any]] = []
         weakref.finalize(self, _unpin_before_unmap, self._pinned_at, self._mapping)
         flat = torch.frombuffer(self._mapping, dtype=torch.uint8)  # mmap memory: page-aligned
         self.view = memoryview(self._mapping)
@@ -143,8 +155,8 @@ class PrimaryTier:
             return
         _populate(self._mapping, self.buffer.view(-1))
         if self.pin_memory:
-            _cuda_host_register(self.buffer.data_ptr(), self.buffer.numel())
-            self._pinned_at.append(self.buffer.data_ptr())
+            device = _cuda_host_register(self.buffer.data_ptr(), self.buffer.numel(), self.cuda_device)
+            self._pinned_at.append((self.buffer.data_ptr(), device))
             self.pinned = True
         self.resident = True
 
@@ -158,7 +170,7 @@ class PrimaryTier:
         """
         self._empty_slots()
         if self.pinned:
-            _cuda_host_unregister(self._pinned_at.pop())
+            _cuda_host_unregister(*self._pinned_at.pop())
             self.pinned = False
         self.resident = False
         self._mapping.madvise(mmap.MADV_DONTNEED)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from typing import Any
 
 import anyio
 
@@ -53,8 +54,9 @@ class StorePipeline:
         self.background: set[asyncio.Task[None]] = set()
         self.store_slots = 0  # primary slots held by stores: copying, or waiting for the tiers
 
-    async def store(self, keys: list[bytes], ids: list[int]) -> int:
-        """Store `keys` from device blocks `ids`; returns how many leading blocks were accepted."""
+    async def store(self, keys: list[bytes], ids: list[int], after: Any = None) -> int:
+        """Store `keys` from device blocks `ids`; returns how many leading blocks were accepted.
+        The device copies wait for what `after` marks (`CopyEngine.mark`)."""
         self.counters["store_calls"] += 1
         own_cascades: set[asyncio.Task[None]] = set()
         pos = 0
@@ -82,7 +84,7 @@ class StorePipeline:
                     slots.append(slot)
                 i += 1
             if slots:
-                cascade = await self._fill_and_cascade(copy_keys, copy_ids, slots)
+                cascade = await self._fill_and_cascade(copy_keys, copy_ids, slots, after)
                 if cascade is not None:
                     own_cascades.add(cascade)
             if filled_elsewhere and i == pos:
@@ -126,10 +128,12 @@ class StorePipeline:
             await self.releases.wait_since(self.releases.count)
 
     async def _fill_and_cascade(
-        self, keys: list[bytes], device_ids: list[int], slots: list[int]
+        self, keys: list[bytes], device_ids: list[int], slots: list[int], after: Any
     ) -> asyncio.Task[None] | None:
         try:
-            await self.copy_engine.to_host(device_ids, slots)
+            # Returns or raises only once every copy it queued has finished: aborting the slots
+            # below never lets a slot be reused while a copy still writes into it.
+            await self.copy_engine.to_host(device_ids, slots, after)
         except BaseException:
             self.store_slots -= len(slots)
             for slot in slots:

@@ -76,9 +76,12 @@ def test_fs_open_bench_runs(tmp_path: Path) -> None:
 
 
 def test_gpu_check_runs_on_the_cpu_fallback() -> None:
+    """The GPU acceptance script on a machine without CUDA: the checks CPU tensors can stand in
+    for pass (round trips of four layouts through the primary and a cold fs tier, padding on
+    disk zeros), the CUDA-only ones say they were skipped."""
     out = bench("gpu_check.py", "--small")
-    assert "byte-exact True" in out and "False" not in out
-    assert "pipeline through the fs tier" in out
+    assert "PASS round trips" in out and "PASS throughput" in out
+    assert out.count("SKIP") == 4 and "FAIL" not in out
 
 
 def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:

@@ -132,10 +132,10 @@ async def held_copies(cache: kt.TieredKVCache) -> tuple[asyncio.Event, asyncio.E
     entered, gate = asyncio.Event(), asyncio.Event()
     to_host = cache.copy_engine.to_host
 
-    async def held(device_ids: list[int], slots: list[int]) -> None:
+    async def held(device_ids: list[int], slots: list[int], after: object = None) -> None:
         entered.set()
         await gate.wait()
-        await to_host(device_ids, slots)
+        await to_host(device_ids, slots, after)
 
     cache.copy_engine.to_host = held  # type: ignore[method-assign]
     return entered, gate

@@ -1,42 +1,23 @@
-"""CopyEngine logic that does not need a GPU: run detection, event polling, CPU copies."""
+"""CopyEngine logic that does not need a GPU: runs, chunking, ordering, release on failure and
+cancellation (the same code drives CUDA streams; here a stand-in for them, `GatedCopies`, lets
+the test decide when each chunk's copy ends), marks, and the CPU copies themselves."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
 
 import kvtier_async as kt
-from kvtier_async.copy_engine import CopyEngine, _await_event, _paired_runs, _slot_runs
+from kvtier_async.copy_engine import CHUNKS_IN_FLIGHT, CopyEngine, _paired_runs, _slot_runs
 
 
 def test_runs() -> None:
     assert _slot_runs([4, 5, 6, 9, 1, 2]) == [(0, 4, 3), (3, 9, 1), (4, 1, 2)]
     assert _paired_runs([10, 11, 12, 3], [0, 1, 5, 6]) == [(10, 0, 2), (12, 5, 1), (3, 6, 1)]
     assert _slot_runs([]) == [] and _paired_runs([], []) == []
-
-
-class FakeEvent:
-    def __init__(self, polls: int) -> None:
-        self.polls = polls
-
-    def query(self) -> bool:
-        self.polls -= 1
-        return self.polls < 0
-
-
-@pytest.mark.asyncio
-async def test_event_wait_outlives_a_cancel() -> None:
-    event = FakeEvent(polls=30)
-    keep = [object()]
-    task = asyncio.ensure_future(_await_event(event, keep))
-    await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert event.polls < 0, "returned before the copy had finished"
-    assert keep == []  # staging buffers are let go only then
 
 
 @pytest.mark.asyncio
@@ -81,3 +62,148 @@ async def test_cpu_copies_stay_off_torchs_thread_pool(monkeypatch: pytest.Monkey
     for before, after in zip(original, layers):
         assert torch.equal(after[[0, 1, 5]], before[[0, 1, 5]])
     engine.close()
+
+
+class GatedCopies:
+    """A stand-in for `_StreamCopies` (a unit test of the chunking logic): each chunk's copy
+    ends when the test says so; `start` can be made to fail at a given chunk."""
+
+    nbytes = 0
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.started: list[tuple[str, int, list[int], object]] = []
+        self.ends: list[asyncio.Future[None]] = []
+        self.running = 0
+        self.most_running = 0
+
+    async def start(self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: object):
+        if self.fail_at is not None and len(self.started) == self.fail_at:
+            raise RuntimeError("queueing failed")
+        self.started.append((direction, buffer, sources, mark))
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        end = asyncio.get_running_loop().create_future()
+        self.ends.append(end)
+        return end, len(sources)
+
+    async def finish(self, handle: asyncio.Future[None]) -> None:
+        try:
+            await handle
+        finally:
+            self.running -= 1
+
+    def close(self) -> None:
+        pass
+
+
+def gated_engine(blocks: int, backend: GatedCopies) -> CopyEngine:
+    layers = [torch.zeros(blocks, 4096, dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=blocks)
+    engine = CopyEngine(layers, kt.PrimaryTier(spec, pin_memory=False), threads=1)
+    engine.staging_blocks = 2  # chunks of two blocks
+    engine._backend = backend
+    engine._free = {d: asyncio.Queue() for d in ("to_host", "to_device")}
+    for queue in engine._free.values():
+        for buffer in range(CHUNKS_IN_FLIGHT):
+            queue.put_nowait(buffer)
+    return engine
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_chunks_are_bounded_in_flight_and_wait_once_for_the_mark() -> None:
+    backend = GatedCopies()
+    engine = gated_engine(16, backend)
+    mark = object()
+    task = asyncio.ensure_future(engine.to_host(list(range(10)), list(range(10)), mark))
+    while not task.done():  # end the copies one at a time, oldest first
+        await settle()
+        pending = [end for end in backend.ends if not end.done()]
+        if pending:
+            pending[0].set_result(None)
+    await task
+    assert [s[2] for s in backend.started] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert backend.most_running <= CHUNKS_IN_FLIGHT
+    assert [s[3] for s in backend.started] == [mark, None, None, None, None]  # waited for once
+    buffers = [s[1] for s in backend.started]
+    assert all(a != b for a, b in itertools.pairwise(buffers))  # never the buffer just queued
+    assert engine.stats()["chunks_to_host"] == 5
+
+
+@pytest.mark.asyncio
+async def test_a_failure_part_way_returns_only_after_the_queued_copies_ended() -> None:
+    backend = GatedCopies(fail_at=1)
+    engine = gated_engine(16, backend)
+    task = asyncio.ensure_future(engine.to_device(list(range(6)), list(range(6))))
+    await settle()
+    assert len(backend.started) == 1 and not task.done()  # chunk 2 failed to queue; chunk 1 runs
+    backend.ends[0].set_result(None)
+    with pytest.raises(RuntimeError, match="queueing failed"):
+        await task
+    assert backend.running == 0
+    assert engine._free["to_device"].qsize() == CHUNKS_IN_FLIGHT  # every buffer back, after its copy
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_copy_returns_only_after_its_queued_chunks_ended() -> None:
+    backend = GatedCopies()
+    engine = gated_engine(16, backend)
+    task = asyncio.ensure_future(engine.to_host(list(range(8)), list(range(8))))
+    await settle()
+    assert len(backend.started) == CHUNKS_IN_FLIGHT
+    task.cancel()
+    await settle()
+    assert not task.done()  # the copies queued still read the device blocks
+    for end in backend.ends:
+        end.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert backend.running == 0 and len(backend.started) == CHUNKS_IN_FLIGHT  # nothing more queued
+
+
+@pytest.mark.asyncio
+async def test_a_copy_that_fails_is_raised_after_the_others_ended() -> None:
+    backend = GatedCopies()
+    engine = gated_engine(16, backend)
+    task = asyncio.ensure_future(engine.to_host(list(range(4)), list(range(4))))
+    await settle()
+    backend.ends[0].set_exception(RuntimeError("the device failed"))
+    await settle()
+    assert not task.done()
+    backend.ends[1].set_result(None)
+    with pytest.raises(RuntimeError, match="device failed"):
+        await task
+
+
+def test_marks_on_a_machine_without_cuda() -> None:
+    layers = [torch.zeros(4, 4096, dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=4)
+    engine = CopyEngine(layers, kt.PrimaryTier(spec, pin_memory=False), threads=1)
+    assert engine.mark(None, "after") is None
+    with pytest.raises(kt.InvalidArgumentError, match="after takes a CUDA event or stream"):
+        engine.mark(object(), "after")
+    engine.close()
+
+
+@pytest.mark.asyncio
+async def test_cache_refuses_a_mark_before_any_change_and_reports_its_copies() -> None:
+    layers = [torch.randint(0, 256, (8, 4096), dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8)
+    keys = kt.block_hashes(range(16 * 4), 16, namespace=spec.namespace)
+    async with kt.TieredKVCache(spec, layers) as cache:
+        with pytest.raises(kt.InvalidArgumentError, match="after"):
+            await cache.store(keys, [0, 1, 2, 3], after="stream")
+        with pytest.raises(kt.InvalidArgumentError, match="consumer"):
+            await cache.load(keys, [4, 5, 6, 7], consumer="stream")
+        assert cache.stats()["stored_blocks"] == 0 and cache.stats()["load_calls"] == 0
+        assert await cache.store(keys, [0, 1, 2, 3], after=None) == 4
+        assert await cache.load(keys, [4, 5, 6, 7], consumer=None) == 4
+        assert torch.equal(layers[0][4:8], layers[0][0:4])
+        copies = cache.stats()["copies"]
+        assert copies["mode"] == "threads" and copies["chunks_to_host"] >= 1
+        assert copies["memcpy_calls_per_chunk"]["to_host"] >= 1

@@ -755,3 +755,31 @@ async def test_a_cache_in_a_newer_format_is_refused_and_left_alone(tmp_path: Pat
         await asyncio.to_thread(lambda: sorted((p.name, p.stat().st_size) for p in directory.iterdir()))
         == before
     )
+
+
+@pytest.mark.asyncio
+async def test_a_records_padding_reaches_the_primary_tier_as_zeros(tmp_path: Path) -> None:
+    """Bytes past a block's end on disk are unchecked: whatever they hold (a damaged or planted
+    record), the slot's padding is zeros, so no tier is ever handed them with the block."""
+    assert h.BLOCK_NBYTES % 4096  # a record has padding
+    tier, primary = h.make_tier(str(tmp_path), direct_io=False)
+    keys = [b"padded-%d" % i for i in range(4)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 4
+        directory = tier.directory
+    [data] = await asyncio.to_thread(lambda: list(directory.glob("slab-*.kvs")))
+    record = -(-h.BLOCK_NBYTES // 4096) * 4096
+
+    def dirty_padding() -> None:
+        with open(data, "r+b") as f:
+            for n in range(4):
+                f.seek(n * record + h.BLOCK_NBYTES)
+                f.write(b"\xee" * (record - h.BLOCK_NBYTES))
+
+    await asyncio.to_thread(dirty_padding)
+    again, fresh = h.make_tier(str(tmp_path), direct_io=False)
+    fresh.buffer.fill_(0x5A)  # the slots' padding held something before the load
+    async with again:
+        assert await again.load(keys, [4, 5, 6, 7]) == [True] * 4
+    for slot in (4, 5, 6, 7):
+        assert not fresh.buffer[slot, h.BLOCK_NBYTES :].any()

@@ -88,10 +88,11 @@ def test_pinning_registers_the_buffer_with_cuda_and_unregisters_it(monkeypatch: 
     calls: list[tuple[str, int, int]] = []
     monkeypatch.setattr(
         "kvtier_async.primary._cuda_host_register",
-        lambda address, nbytes: calls.append(("register", address, nbytes)),
+        lambda address, nbytes, device: calls.append(("register", address, nbytes)),
     )
     monkeypatch.setattr(
-        "kvtier_async.primary._cuda_host_unregister", lambda address: calls.append(("unregister", address, 0))
+        "kvtier_async.primary._cuda_host_unregister",
+        lambda address, device: calls.append(("unregister", address, 0)),
     )
     primary = kt.PrimaryTier(kt.OffloadingSpec(block_nbytes=5000, num_cpu_blocks=3), pin_memory=True)
     address = primary.buffer.data_ptr()
@@ -139,10 +140,10 @@ def test_a_pinned_tier_dropped_without_giving_its_memory_back_is_unpinned_before
     calls: list[tuple[str, int, bool]] = []
     mappings: list[weakref.ref[mmap.mmap]] = []
 
-    def register(address: int, nbytes: int) -> None:
+    def register(address: int, nbytes: int, device: object) -> None:
         calls.append(("register", address, True))
 
-    def unregister(address: int) -> None:
+    def unregister(address: int, device: object) -> None:
         calls.append(("unregister", address, mappings[-1]() is not None))  # still mapped?
 
     monkeypatch.setattr("kvtier_async.primary._cuda_host_register", register)

@@ -75,6 +75,7 @@ class RecordIO:
         self.record_bytes = files.record_bytes
         self.staging = False
         self.stager = Stager()
+        self._zeros = bytes(self.record_bytes - self.block_nbytes)
         self._seq = 0
         self._seq_lock = threading.Lock()
 
@@ -283,6 +284,9 @@ class RecordIO:
             payload = self.view[offset : offset + self.block_nbytes]
             if got[n] == self.record_bytes and self.checksum(payload) == checksum:
                 status[n] = "ok"
+                # A record's padding came from the disk, unchecked: zeros in the slot, whatever
+                # it held, so no tier is ever handed bytes that were not the block's.
+                self.view[offset + self.block_nbytes : offset + self.record_bytes] = self._zeros
             elif where[0] in self.own:
                 status[n] = "corrupt"  # we are its only writer
             else:
