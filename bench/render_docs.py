@@ -665,6 +665,16 @@ def render(out: Path) -> str:
     if (RECORDS / "lmcache_l2.json").exists():
         lines += lmcache_l2_section()
     lines += aiofiles_section()
+    lines += [
+        "## The CUDA path",
+        "",
+        "No GPU has run this project's CUDA path yet: it is verified by review and by CPU tests of",
+        "the same chunking code only ([concepts](concepts.md#device-copies-what-they-wait-for)).",
+        "`python bench/gpu_check.py` is its acceptance script (setup and contexts, byte-exact round",
+        "trips, producer ordering, no sync on the loop, measured overlap, throughput against raw",
+        "pinned copies); its output goes here the first time a device runs it.",
+        "",
+    ]
     return "\n".join(lines).rstrip() + "\n"
 
 
