@@ -105,23 +105,17 @@ class LagProbe:
         await asyncio.gather(self._task, return_exceptions=True)
 
 
+def nvidia_smi(query: str) -> str:
+    return subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+
+
 def gpu_processes() -> dict[str, set[int]] | None:
     """GPU index -> pids with a context there (nvidia-smi), or None where it cannot tell."""
     try:
-        gpus = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-        apps = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        gpus = nvidia_smi("--query-gpu=index,uuid")
+        apps = nvidia_smi("--query-compute-apps=gpu_uuid,pid")
     except (OSError, subprocess.SubprocessError):
         return None
     index_of = {

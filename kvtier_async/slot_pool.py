@@ -70,6 +70,11 @@ class SlotPool:
                 self._wake()
             raise
 
+    def parts(self, total: int) -> list[slice]:
+        """Consecutive slices of `range(total)`, each of at most `count` items: a call's blocks in
+        pieces the pool can hold at once."""
+        return [slice(start, start + self.count) for start in range(0, total, self.count)]
+
     @contextlib.asynccontextmanager
     async def borrowed(self, n: int, nbytes: int) -> AsyncIterator[list[memoryview]]:
         """The first `nbytes` of n slots, given back when the block ends. Whoever uses them

@@ -50,6 +50,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.R
 
 
 @pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisCluster]:
+    """A three-master Redis Cluster on loopback for one test module."""
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    cluster = servers.RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
 def s3_server() -> Iterator[servers.S3Server]:
     """moto's S3 server on loopback for one test module, with `servers.S3_BUCKET` created."""
     server = servers.S3Server()

@@ -23,14 +23,6 @@ from kvtier_async.testing import TierContractTests, make_key
 pytestmark = servers.needs_redis
 
 
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisCluster]:
-    cluster = servers.RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
-    cluster.start()
-    yield cluster
-    cluster.stop()
-
-
 def config(url: str, **kwargs: Any) -> dict[str, Any]:
     # Every test its own names on the shared server.
     return {"type": "redis", "url": url, "prefix": f"test-{uuid.uuid4().hex[:12]}", **kwargs}

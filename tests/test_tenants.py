@@ -109,16 +109,6 @@ def shared(
     )
 
 
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    if servers.REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed")
-    cluster = servers.RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
-    cluster.start()
-    yield cluster
-    cluster.stop()
-
-
 @pytest.fixture
 def secrets_env(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
     monkeypatch.setenv("KVTIER_TENANT_A", new_secret())

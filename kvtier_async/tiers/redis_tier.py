@@ -412,8 +412,7 @@ class RedisTier(SecondaryTierManager):
     ) -> list[Any]:
         """Seal each block into a pooled value and send it (direct connections, a secret)."""
         pool, replies = self._pool(), []
-        for start in range(0, len(keys), pool.count):
-            part = slice(start, start + pool.count)
+        for part in pool.parts(len(keys)):
             n = len(keys[part])
             async with pool.borrowed(n, self.value_nbytes) as values:
                 nbytes = n * self.value_nbytes
@@ -428,8 +427,7 @@ class RedisTier(SecondaryTierManager):
     ) -> list[bool]:
         """Each value into a pooled buffer, then opened into its block (direct connections)."""
         pool, results = self._pool(), []
-        for start in range(0, len(keys), pool.count):
-            part = slice(start, start + pool.count)
+        for part in pool.parts(len(keys)):
             n = len(keys[part])
             async with pool.borrowed(n, self.value_nbytes) as values:
                 replies = await self.gate.call(

@@ -239,10 +239,10 @@ class FileSystemTier(SecondaryTierManager):
         if not isinstance(self.codec, BlockSealer):
             return await self._write_records(keys, blocks)
         sealer, results = self.codec, []
-        for start in range(0, len(keys), self._slots().count):
-            end = start + self._slots().count
-            part_keys, part_blocks = keys[start:end], blocks[start:end]
-            async with self._slots().borrowed(len(part_keys), self.record_bytes) as sealed:
+        pool = self._slots()
+        for part in pool.parts(len(keys)):
+            part_keys, part_blocks = keys[part], blocks[part]
+            async with pool.borrowed(len(part_keys), self.record_bytes) as sealed:
                 await self.run_cpu(
                     len(part_keys) * self.stored_nbytes,
                     _seal,
@@ -263,10 +263,10 @@ class FileSystemTier(SecondaryTierManager):
         if not isinstance(self.codec, BlockSealer):
             return await self._read_records(keys, blocks)
         sealer, results = self.codec, []
-        for start in range(0, len(keys), self._slots().count):
-            end = start + self._slots().count
-            part_keys, part_blocks = keys[start:end], blocks[start:end]
-            async with self._slots().borrowed(len(part_keys), self.record_bytes) as sealed:
+        pool = self._slots()
+        for part in pool.parts(len(keys)):
+            part_keys, part_blocks = keys[part], blocks[part]
+            async with pool.borrowed(len(part_keys), self.record_bytes) as sealed:
                 names = [sealer.name(key) for key in part_keys]
                 found = await self._read_records(names, sealed)
                 nbytes = found.count(True) * self.stored_nbytes
