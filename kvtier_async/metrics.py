@@ -49,6 +49,7 @@ TIER_COUNTERS = (
     "calls_skipped_while_down",
     "queue_timeouts",
     "corrupt_blocks",
+    "unauthenticated_blocks",
     "evictions",
     "writes_refused",
 )

@@ -35,6 +35,10 @@ COUNTERS = {
     "errors": "Backend faults of a kvtier tier (counted, turned into misses and failed stores).",
     "evictions": "Chunks a kvtier tier evicted to make room.",
     "corrupt_blocks": "Chunks a kvtier tier found corrupt on read (a miss, never wrong bytes).",
+    "unauthenticated_blocks": (
+        "Chunks a kvtier tier with a secret found not to authenticate (another tenant's, forged, "
+        "damaged): a miss, never loaded."
+    ),
 }
 GAUGES = {
     "blocks": "Chunks a kvtier tier holds.",
