@@ -783,3 +783,22 @@ async def test_a_records_padding_reaches_the_primary_tier_as_zeros(tmp_path: Pat
         assert await again.load(keys, [4, 5, 6, 7]) == [True] * 4
     for slot in (4, 5, 6, 7):
         assert not fresh.buffer[slot, h.BLOCK_NBYTES :].any()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+async def test_removal_listeners_hear_of_keys_not_names(
+    sealed: bool, tmp_path: Path, tier_secret_env: str
+) -> None:
+    """With a secret the index holds keyed names; evictions still reach listeners as keys."""
+    extra = {"secret_env": tier_secret_env} if sealed else {}
+    record = -(-h.BLOCK_NBYTES // 4096) * 4096 + (4096 if sealed else 0)
+    tier, primary = h.make_tier(str(tmp_path), capacity_bytes=4 * (record + 4 * 256), **extra)
+    removed: list[bytes] = []
+    tier.removal_listeners.append(removed.extend)
+    keys = [b"listened-%d" % i for i in range(12)]
+    async with tier:
+        for key in keys:  # one at a time: each store may evict the oldest
+            assert await h.store_keys(tier, primary, [key]) == [True]
+        assert removed and set(removed) <= set(keys)
+        assert await tier.contains(removed) == [False] * len(removed)

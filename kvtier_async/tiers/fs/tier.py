@@ -254,7 +254,7 @@ class FileSystemTier(SecondaryTierManager):
                 )
                 names = [sealer.name(key) for key in part_keys]
                 written = await self._write_records(names, sealed)
-            self._keys_of_names.update((name, key) for name, key, ok in zip(names, part_keys, written) if ok)
+            self._remember(names, part_keys, written)
             results += written
         return results
 
@@ -274,7 +274,7 @@ class FileSystemTier(SecondaryTierManager):
                     nbytes, _open, sealer, part_keys, part_blocks, sealed, found, self.stored_nbytes
                 )
             self.counters["unauthenticated_blocks"] += sum(f and not o for f, o in zip(found, opened))
-            self._keys_of_names.update((name, key) for name, key, ok in zip(names, part_keys, opened) if ok)
+            self._remember(names, part_keys, opened)
             results += opened
         return results
 
@@ -286,6 +286,17 @@ class FileSystemTier(SecondaryTierManager):
     def _names(self, keys: Sequence[bytes]) -> list[bytes]:
         """The names `keys` are kept under in the index (themselves, or keyed with a secret)."""
         return [self.codec.name(key) for key in keys] if self.codec.sealed else list(keys)
+
+    def _remember(self, names: Sequence[bytes], keys: Sequence[bytes], held: Sequence[bool]) -> None:
+        """Note the keys behind held names, for the removal listeners (where there are any).
+        Bounded: past twice the index's size, names the index no longer holds are forgotten
+        (another process evicted them: its evictions reach no listener of ours)."""
+        if not self.removal_listeners:
+            return
+        self._keys_of_names.update((name, key) for name, key, ok in zip(names, keys, held) if ok)
+        if len(self._keys_of_names) > 2 * len(self.index.where) + 1024:
+            where = self.index.where
+            self._keys_of_names = {n: k for n, k in self._keys_of_names.items() if n in where}
 
     def _removed(self, names: list[bytes]) -> None:
         """Tell the listeners of the keys behind `names`, which this tier no longer holds."""
@@ -405,7 +416,7 @@ class FileSystemTier(SecondaryTierManager):
         await self.following.refresh_if_missing(names)
         found = [name in self.index.where for name in names]
         if self.codec.sealed:
-            self._keys_of_names.update((name, key) for name, key, ok in zip(names, keys, found) if ok)
+            self._remember(names, keys, found)
         return found
 
     async def delete(self, keys: Sequence[bytes]) -> int:
