@@ -220,5 +220,5 @@ def test_run_all_describes_the_machine() -> None:
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
-    recorders |= {"sglang_backend", "lmcache_l2", "fs_staging"}
+    recorders |= {"sglang_backend", "lmcache_l2", "fs_staging", "tier_secret"}
     assert set(run_all.RECORDERS) == recorders
