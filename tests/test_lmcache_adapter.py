@@ -415,3 +415,30 @@ def test_a_locked_chunk_is_not_evicted_until_unlocked(tmp_path: Path) -> None:
         assert lookup(adapter, [key(0)]) == [False]  # unlocked: evicted like any other
     finally:
         adapter.close()
+
+
+def test_a_declared_capacity_reaches_lmcache_and_the_tiers_evictions_leave_its_usage(tmp_path: Path) -> None:
+    """With `capacity_bytes` the adapter reports it (LMCache's usage fraction and its eviction
+    controllers then act on us), and what the tier evicts by itself leaves LMCache's usage."""
+    from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
+
+    capacity = 8 * (record_bytes_for(CHUNK) + 4 * ENTRY)
+    adapter = build({"type": "fs", "root": str(tmp_path / "kv"), "capacity_bytes": capacity})
+    try:
+        assert adapter.get_usage().total_capacity_bytes == capacity
+        assert adapter.get_usage().usage_fraction == 0.0
+        for start in range(0, 40, 4):  # five times what the tier holds
+            keys = [key(i) for i in range(start, start + 4)]
+            assert store(adapter, keys, [chunk(seed=i) for i in range(4)]).is_successful()
+        held = [key(i) for i in range(40) if lookup(adapter, [key(i)]) == [True]]
+        adapter.submit_unlock(held)  # the lookups' locks
+        usage = adapter.get_usage()
+        assert usage.total_bytes_used == len(held) * CHUNK  # evicted chunks no longer counted
+        assert 0 < len(held) < 40 and 0.0 < usage.usage_fraction <= 1.0
+    finally:
+        adapter.close()
+    undeclared = build({"type": "fs", "root": str(tmp_path / "other")})
+    try:
+        assert undeclared.get_usage().total_capacity_bytes == 0  # as LMCache's fs adapter: none
+    finally:
+        undeclared.close()

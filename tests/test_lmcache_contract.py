@@ -64,18 +64,28 @@ NOT_THE_CONTRACT = {
 }
 
 
-def run_lmcache_tests(test_file: str, root: Path, *, ours: bool, tier: str = "fs") -> tuple[int, str]:
+#: With a capacity declared in the tier config, the usage tests are the contract too.
+USAGE_TESTS = {name for name in NOT_THE_CONTRACT[MOCK] if "get_usage" in name}
+
+
+def run_lmcache_tests(
+    test_file: str, root: Path, *, ours: bool, tier: str = "fs", capacity: int | None = None, only: str = ""
+) -> tuple[int, str]:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
     if test_file == STORAGE_MANAGER:
         command += ["-p", "lmcache_cpu"]
+    if only:
+        command += ["-k", only]
     if ours:
         command += ["-p", "kvtier_swap"]
         for name in NOT_THE_CONTRACT.get(test_file, {}):
-            command += ["--deselect", f"{test_file}::{name}"]
+            if not (capacity and name in USAGE_TESTS):
+                command += ["--deselect", f"{test_file}::{name}"]
     env = {
         **child_env(PLUGIN_DIR),
         "KVTIER_LMCACHE_TIER": tier,
         "KVTIER_LMCACHE_ROOT": str(root),
+        "KVTIER_LMCACHE_CAPACITY": str(capacity or ""),
     }
     done = subprocess.run(command, cwd=SOURCE, env=env, capture_output=True, text=True, timeout=600)
     return done.returncode, done.stdout + done.stderr
@@ -103,6 +113,17 @@ def test_ours_passes_lmcaches_adapter_tests(
     assert code == 0, output[-3000:]
     assert f"the adapter under test is KVTierL2Adapter over {tier}" in output, output[-3000:]
     assert passed(output) >= FILES[test_file], output[-3000:]
+
+
+def test_with_a_declared_capacity_lmcaches_usage_tests_pass(tmp_path: Path) -> None:
+    """A tier config with `capacity_bytes`: the adapter reports it, and LMCache's own
+    `TestEvictionInterface` (its three usage tests included) passes; without one, those three
+    are deselected above, as LMCache's fs adapter reports no capacity either."""
+    code, output = run_lmcache_tests(
+        MOCK, tmp_path, ours=True, capacity=64 << 20, only="TestEvictionInterface"
+    )
+    assert code == 0, output[-3000:]
+    assert passed(output) >= 3 + len(USAGE_TESTS), output[-3000:]
 
 
 CHECKED = ["correctly absent", "Batch store OK", "found", "Validation (loaded)", "Validation (content)"]

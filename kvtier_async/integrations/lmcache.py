@@ -38,9 +38,18 @@ eviction passes it over (the fs tier for blocks this process wrote, the memory
 tier for all). Where the tier cannot promise that (a Redis server evicting under
 `maxmemory`, a block another process's fs tier wrote and may evict), a locked
 block may still go, and its load then misses, which LMCache's contract allows (a
-load may fail; it checks the bitmap). The adapter reports no capacity to LMCache
-(`max_capacity_bytes` 0), so LMCache does not drive eviction itself; `delete`
-works when it asks.
+load may fail; it checks the bitmap).
+
+Capacity. Where the tier config declares `capacity_bytes`, the adapter reports it to LMCache
+(`max_capacity_bytes`), and LMCache's usage (`get_usage`: its status page, its watermark
+eviction and its per-`cache_salt` quota eviction) counts the bytes of the objects this
+adapter stored: each counted once when the tier first holds it, and taken off when the tier
+stops holding it, whether LMCache deleted it or the tier evicted it to stay within its
+capacity (the tier's removal listeners say so). Both evictions then act: LMCache's when its
+watermarks say, the tier's whenever a store needs room. Without a declared capacity the
+adapter reports none (0), as LMCache's fs adapter does, and LMCache's eviction stays off: the
+tier bounds and evicts itself. The capacity is per object size (each size class is a tier of
+its own); LMCache stores objects of one size, so it is the adapter's.
 
 This module imports LMCache; `import kvtier_async` does not.
 """
@@ -91,6 +100,14 @@ def object_key(key: Any) -> bytes:
     return digest.digest()
 
 
+def _declared_capacity(tier_config: Mapping[str, Any]) -> int:
+    """The tier config's `capacity_bytes` where it declares one (the tier checks its type), else 0."""
+    capacity = tier_config.get("capacity_bytes")
+    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+        return capacity
+    return 0
+
+
 def _layout_nbytes(desc: Any) -> int:
     """Bytes of an object laid out as `desc` (an LMCache `MemoryLayoutDesc`); 0 if unreadable."""
     try:
@@ -112,7 +129,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             raise ConfigError(
                 f'kvtier LMCache adapter: "staging_mib" must be an int >= 1, got {staging_mib!r}'
             )
-        super().__init__(max_capacity_bytes=0)
+        super().__init__(max_capacity_bytes=_declared_capacity(self.tier_config))
+        #: The objects LMCache's usage counts, by kvtier key: (its ObjectKey, bytes). Loop thread.
+        self._counted: dict[bytes, tuple[Any, int]] = {}
         self._lock = threading.Lock()  # guards the task books below; LMCache's threads call at once
         self._next_task = 0
         self._stores_done: dict[L2TaskId, L2StoreResult] = {}
@@ -127,7 +146,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         self._lookup_fd = create_event_notifier()
         self._load_fd = create_event_notifier()
         arena = arena_view(l1_memory_desc)
-        self._sizes = SizeClasses(self.tier_config, self.limits, staging_mib << 20, arena)  # loop thread only
+        self._sizes = SizeClasses(  # loop thread only
+            self.tier_config, self.limits, staging_mib << 20, arena, on_removed=self._on_tier_removed
+        )
         self._bridge = LoopThread("kvtier-lmcache")
 
     # -- event fds ----------------------------------------------------------------------------------
@@ -226,6 +247,8 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             with self._lock:
                 self._stores_done[task_id] = L2StoreResult(ok, sum(sizes))
             if stored:
+                for i, size in zip(stored, sizes):
+                    self._counted[object_key(keys[i])] = (keys[i], size)
                 self._notify_keys_stored([keys[i] for i in stored], sizes)
             self._store_fd.notify()
 
@@ -309,22 +332,23 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         with self._lock:
             if self._closed or not keys:
                 return
-        sizes = self._bridge.call(self._delete([object_key(key) for key in keys]))
-        gone = [(key, size) for key, size in zip(keys, sizes) if size]
-        if gone:
-            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+        self._bridge.call(self._delete([object_key(key) for key in keys]))
 
-    async def _delete(self, wanted: list[bytes]) -> list[int]:
-        sizes = [0] * len(wanted)
+    async def _delete(self, wanted: list[bytes]) -> None:
+        # The tiers tell `_on_tier_removed` of what they let go, which takes it off LMCache's usage.
         for size_class in self._sizes.opened():
             held = await size_class.tier.lookup_each(wanted)
             doomed = [key for key, h in zip(wanted, held) if h]
             if doomed:
                 await size_class.tier.delete(doomed)
-                for i, h in enumerate(held):
-                    if h:
-                        sizes[i] = size_class.nbytes
-        return sizes
+                self._on_tier_removed(doomed)  # where a tier does not tell its listeners
+
+    def _on_tier_removed(self, removed: list[bytes]) -> None:
+        """A tier stopped holding these keys (LMCache deleted them, or the tier evicted them):
+        off LMCache's usage, those it counted (loop thread)."""
+        gone = [self._counted.pop(key) for key in removed if key in self._counted]
+        if gone:
+            self._notify_keys_deleted([key for key, _ in gone], [size for _, size in gone])
 
     def report_status(self) -> dict[str, Any]:
         """LMCache's status page: health and the tiers' own figures, per object size."""

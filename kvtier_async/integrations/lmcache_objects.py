@@ -239,11 +239,14 @@ class SizeClasses:
         limits: dict[str, Any],
         staging_bytes: int,
         arena: memoryview | None = None,
+        on_removed: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         self.tier_config = tier_config
         self.limits = limits
         self.staging_bytes = staging_bytes
         self.arena = arena
+        #: Told of the keys each size class's tier stops holding (evicted, deleted).
+        self.on_removed = on_removed
         self._classes: dict[int, SizeClass] = {}
         self._opening: dict[int, asyncio.Future[SizeClass]] = {}
 
@@ -296,6 +299,8 @@ class SizeClasses:
         except BaseException:
             await tier.aclose()
             raise
+        if self.on_removed is not None:
+            tier.removal_listeners.append(self.on_removed)
         # Never more in the tier's hands than its pending-store budget (`SizeClass`).
         places = min(slots, spec.limits.max_pending_stores)
         if memory is None:

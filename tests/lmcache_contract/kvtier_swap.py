@@ -41,7 +41,11 @@ def tier_config() -> dict[str, Any]:
     if where.startswith(("redis://", "unix://")):
         return {"type": "redis", "url": where, "prefix": f"lmcache-contract-{uuid.uuid4().hex[:12]}"}
     under = os.environ.get("KVTIER_LMCACHE_ROOT")  # the runner's temporary directory
-    return {"type": "fs", "root": tempfile.mkdtemp(prefix="kvtier-lmcache-", dir=under)}
+    config: dict[str, Any] = {"type": "fs", "root": tempfile.mkdtemp(prefix="kvtier-lmcache-", dir=under)}
+    capacity = os.environ.get("KVTIER_LMCACHE_CAPACITY")  # a declared capacity, reported to LMCache
+    if capacity:
+        config["capacity_bytes"] = int(capacity)
+    return config
 
 
 def config_for_ours(*args: Any, **kwargs: Any) -> PluginL2AdapterConfig:
