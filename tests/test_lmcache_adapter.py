@@ -442,3 +442,27 @@ def test_a_declared_capacity_reaches_lmcache_and_the_tiers_evictions_leave_its_u
         assert undeclared.get_usage().total_capacity_bytes == 0  # as LMCache's fs adapter: none
     finally:
         undeclared.close()
+
+
+def test_a_tier_secret_reaches_the_tier_through_lmcaches_config(
+    fs: dict[str, Any], tier_secret_env: str
+) -> None:
+    """The secret keys sit in the tier config of LMCache's adapter params: chunks sealed,
+    byte-exact; an adapter without the secret finds none of them."""
+    sealed = {**fs, "secret_env": tier_secret_env}
+    adapter = build(sealed)
+    keys = [key(i) for i in range(3)]
+    objects = [chunk(seed=i) for i in range(3)]
+    try:
+        assert store(adapter, keys, objects).is_successful()
+    finally:
+        adapter.close()
+    again, plain = build(sealed), build(fs)
+    try:
+        targets = [chunk() for _ in keys]
+        assert load(again, keys, targets) == [True] * 3
+        assert all(same(a, b) for a, b in zip(objects, targets))
+        assert lookup(plain, keys) == [False] * 3
+    finally:
+        again.close()
+        plain.close()

@@ -377,3 +377,30 @@ def test_the_three_controller_threads_at_once_with_full_batches(
         assert backend.tier_stats()["errors"] == 0
     finally:
         backend.close()
+
+
+def test_a_tier_secret_reaches_the_tier_through_sglangs_config(
+    fs: dict[str, Any], tier_secret_env: str
+) -> None:
+    """The secret keys sit in the tier config as SGLang passes it: pages sealed, byte-exact."""
+    sealed = {**fs, "secret_env": tier_secret_env}
+    pool = mha_pool("page_first")
+    names = keys(4)
+    backend = build(sealed, pool)
+    try:
+        assert backend.batch_set_v1(names, slots(pool, list(range(4)))) == [True] * 4
+        expected = [page_bytes(pool, p) for p in range(4)]
+        assert backend.tier_stats()["sealed"] is True
+    finally:
+        backend.close()
+    again = mha_pool("page_first")
+    second = build(sealed, again)
+    plain = build(fs, mha_pool("page_first"))
+    try:
+        assert second.batch_exists(names) == 4
+        assert second.batch_get_v1(names, slots(again, list(range(10, 14)))) == [True] * 4
+        assert [page_bytes(again, p) for p in range(10, 14)] == expected
+        assert plain.batch_exists(names) == 0  # without the secret: nothing there
+    finally:
+        second.close()
+        plain.close()

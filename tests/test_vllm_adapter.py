@@ -54,9 +54,15 @@ def tier_configs(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> l
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     if name == "fs":
         return ours({"type": "fs", "root": str(tmp_path / "kv")})
+    if name == "fs-sealed":  # a tier secret reaches the tier through vLLM's config as it is
+        secret = request.getfixturevalue("tier_secret_env")
+        return ours({"type": "fs", "root": str(tmp_path / "kv"), "secret_env": secret})
     if name == "redis":
         url = request.getfixturevalue("redis_server").url
         return ours({"type": "redis", "url": url, "prefix": prefix})
+    if name == "redis-sealed":
+        url, secret = request.getfixturevalue("redis_server").url, request.getfixturevalue("tier_secret_env")
+        return ours({"type": "redis", "url": url, "prefix": prefix, "secret_env": secret})
     if name == "s3":
         endpoint = request.getfixturevalue("s3_server").endpoint
         tier = {"type": "s3", "bucket": S3_BUCKET, "prefix": prefix, "endpoint": endpoint, "allow_http": True}
@@ -67,7 +73,7 @@ def tier_configs(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> l
     return [{"type": "example"}]  # control: vLLM's own, in memory, this engine only
 
 
-@pytest.fixture(params=["fs", "redis", "s3", "vllm-fs"])
+@pytest.fixture(params=["fs", "fs-sealed", "redis", "redis-sealed", "s3", "vllm-fs"])
 def persistent(request: pytest.FixtureRequest, tmp_path: Path) -> list[dict[str, Any]]:
     return tier_configs(request.param, request, tmp_path)
 
