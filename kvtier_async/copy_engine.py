@@ -226,12 +226,14 @@ class CopyEngine:
                 done = asyncio.ensure_future(backend.finish(handle))
                 done.add_done_callback(partial(_give_back, free, buffer))
                 finishing.append(done)
-        finally:
-            if finishing:  # every queued copy ends before we return or raise, cancelled or not
-                outcomes = await wait_uncancellable(asyncio.gather(*finishing, return_exceptions=True))
-                failed = [o for o in outcomes if isinstance(o, BaseException)]
-                if failed:
-                    raise failed[0]
+        except BaseException:
+            # Cancelled, or queueing failed: every queued copy ends first; what stopped us is
+            # what the caller sees.
+            await _all_ended(finishing)
+            raise
+        failed = [o for o in await _all_ended(finishing) if isinstance(o, BaseException)]
+        if failed:
+            raise failed[0]
 
     def stats(self) -> dict[str, Any]:
         backend = self._backend
@@ -401,6 +403,14 @@ class _ThreadCopies:
 
     def close(self) -> None:
         pass
+
+
+async def _all_ended(finishing: list[asyncio.Future[None]]) -> list[Any]:
+    """Wait for every queued copy to end, even if cancelled meanwhile (then re-raise that);
+    each one's outcome."""
+    if not finishing:
+        return []
+    return await wait_uncancellable(asyncio.gather(*finishing, return_exceptions=True))
 
 
 def _give_back(free: asyncio.Queue[int], buffer: int, _: object) -> None:

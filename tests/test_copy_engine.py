@@ -207,3 +207,19 @@ async def test_cache_refuses_a_mark_before_any_change_and_reports_its_copies() -
         copies = cache.stats()["copies"]
         assert copies["mode"] == "threads" and copies["chunks_to_host"] >= 1
         assert copies["memcpy_calls_per_chunk"]["to_host"] >= 1
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_call_raises_its_cancellation_even_when_a_queued_copy_failed() -> None:
+    backend = GatedCopies()
+    engine = gated_engine(16, backend)
+    task = asyncio.ensure_future(engine.to_host(list(range(6)), list(range(6))))
+    await settle()
+    assert len(backend.started) == CHUNKS_IN_FLIGHT  # the third chunk waits for a buffer
+    task.cancel()
+    await settle()
+    backend.ends[0].set_exception(RuntimeError("the device failed"))
+    backend.ends[1].set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert backend.running == 0
