@@ -366,12 +366,16 @@ class BlockSealer:
             return False
         return True
 
-    def encode_values(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[memoryview]:
-        values = []
-        for key, block in zip(keys, blocks):
-            value = new_buffer(SEAL_OVERHEAD + len(block))
+    def seal_many(
+        self, keys: Sequence[bytes], blocks: Sequence[memoryview], into: Sequence[memoryview]
+    ) -> None:
+        """`seal_into` for each block, into its value (blocking: a worker thread's work)."""
+        for key, block, value in zip(keys, blocks, into):
             self.seal_into(value, block, key)
-            values.append(value)
+
+    def encode_values(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[memoryview]:
+        values = [new_buffer(SEAL_OVERHEAD + len(block)) for block in blocks]
+        self.seal_many(keys, blocks, values)
         return values
 
     def decode_values(

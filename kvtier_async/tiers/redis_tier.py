@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 from ..block_format import (
     HEADER_BYTES,
+    BlockSealer,
     CorruptBlockError,
     block_codec,
     encode_headers,
@@ -55,7 +56,7 @@ from ..coalesce import Coalescer
 from ..errors import ConfigError
 from ..secret import load_private_value, load_tier_secret
 from ..server_gate import ServerGate
-from ..slot_pool import SlotPool
+from ..slot_pool import SlotPool, for_batches_in_flight
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from ..tier_resource import INLINE_CPU_BYTES
@@ -240,18 +241,12 @@ class RedisTier(SecondaryTierManager):
                 if self._password is not None:
                     options["password"] = self._password
                 self._direct = DirectConnections(options, self.timeout_s, self._socket_buffer_bytes)
-                if self.codec.sealed:
-                    self._sealed_values = self._value_pool()
+                if self.codec.sealed:  # where sealed values are built and read
+                    self._sealed_values = for_batches_in_flight(
+                        self.offloading_spec.limits, self.value_nbytes, SEALED_POOL_BYTES
+                    )
                     await self.run_blocking(self._sealed_values.populate)
         await self.gate.call(self._check_value_limit())
-
-    def _value_pool(self) -> SlotPool:
-        """Where sealed values are built and read on the direct connections: a value for every
-        block of every load and store the scheduler runs at once, within `SEALED_POOL_BYTES`."""
-        limits = self.offloading_spec.limits
-        stride = -(-self.value_nbytes // 4096) * 4096
-        in_flight = (limits.max_inflight_loads + limits.max_inflight_stores) * limits.batch_blocks
-        return SlotPool(max(limits.batch_blocks, min(in_flight, SEALED_POOL_BYTES // stride)), stride)
 
     def _make_client(self) -> Any:
         options: dict[str, Any] = {
@@ -368,14 +363,12 @@ class RedisTier(SecondaryTierManager):
     async def _read_direct(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         """Each value's header into a buffer of its own, its payload straight into the block;
         sealed, each value into a buffer of its own, opened into the block."""
-        if self._direct is None:
-            raise RuntimeError("_read_direct without direct connections")
         names = [self.value_name(key) for key in keys]
         if self.codec.sealed:
             return await self._read_sealed_direct(keys, blocks, names)
         headers = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
         targets = [[header, block] for header, block in zip(headers, blocks)]
-        replies = await self.gate.call(self._direct.get_into(names, targets))
+        replies = await self.gate.call(self._direct_connections().get_into(names, targets))
         # True: the value landed whole. False: a value of another length (not one of ours).
         # None: no such value. An error (a value of another type): not ours either, a miss.
         # Each good value's payload checksum is left: taken on the loop, a MiB at a time with a
@@ -416,7 +409,7 @@ class RedisTier(SecondaryTierManager):
             n = len(keys[part])
             async with pool.borrowed(n, self.value_nbytes) as values:
                 nbytes = n * self.value_nbytes
-                await self.run_cpu(nbytes, _seal_into, self.codec, keys[part], blocks[part], values)
+                await self.run_cpu(nbytes, self._sealer().seal_many, keys[part], blocks[part], values)
                 replies += await self.gate.call(
                     self._direct_connections().set_from(names[part], [[v] for v in values], self._ttl_ms)
                 )
@@ -441,6 +434,11 @@ class RedisTier(SecondaryTierManager):
             )
             results += ok
         return results
+
+    def _sealer(self) -> BlockSealer:
+        if not isinstance(self.codec, BlockSealer):
+            raise RuntimeError("redis tier: sealing without a secret")
+        return self.codec
 
     def _pool(self) -> SlotPool:
         if self._sealed_values is None:
@@ -509,11 +507,3 @@ class RedisTier(SecondaryTierManager):
                 return replies
 
         return await self.gate.call(run())
-
-
-def _seal_into(
-    codec: Any, keys: Sequence[bytes], blocks: Sequence[memoryview], values: list[memoryview]
-) -> None:
-    """CPU thread: each block's sealed value into its buffer."""
-    for key, block, value in zip(keys, blocks, values):
-        codec.seal_into(value, block, key)

@@ -27,7 +27,7 @@ from ...buffers import address_of as buffer_address
 from ...errors import ConfigError
 from ...keys import check_keys
 from ...secret import load_tier_secret
-from ...slot_pool import SlotPool
+from ...slot_pool import SlotPool, for_batches_in_flight
 from ...spec import OffloadingSpec
 from ...tier import SecondaryTierManager
 from ...workers import wait_uncancellable
@@ -143,11 +143,9 @@ class FileSystemTier(SecondaryTierManager):
         self.sealed_slots: SlotPool | None = None
         records_view = self.primary_kv_view
         if self.codec.sealed:
-            limits = offloading_spec.limits
-            # A batch for every load and store the scheduler lets run at once, within the cap.
-            in_flight = (limits.max_inflight_loads + limits.max_inflight_stores) * limits.batch_blocks
-            count = max(limits.batch_blocks, min(in_flight, SEALED_SLOTS_BYTES // self.record_bytes))
-            self.sealed_slots = SlotPool(count, self.record_bytes)
+            self.sealed_slots = for_batches_in_flight(
+                offloading_spec.limits, self.record_bytes, SEALED_SLOTS_BYTES
+            )
             records_view = self.sealed_slots.view
         self._records_base = buffer_address(records_view)
         #: With a secret: the keys behind the names this process stored or found, so that the
@@ -472,8 +470,8 @@ def _seal(
 ) -> None:
     """CPU thread: each block's sealed value into its record, the record's padding zeroed (it
     goes to disk too: it must hold nothing but zeros, not a record read here before)."""
-    for key, block, record in zip(keys, blocks, records):
-        sealer.seal_into(record[:stored_nbytes], block, key)
+    sealer.seal_many(keys, blocks, [record[:stored_nbytes] for record in records])
+    for record in records:
         record[stored_nbytes:] = bytes(len(record) - stored_nbytes)
 
 
