@@ -178,6 +178,33 @@ def test_models_and_salts_never_share_a_chunk(fs: dict[str, Any]) -> None:
         adapter.close()
 
 
+def test_a_model_updated_in_place_never_loads_the_old_weights_kv(fs: dict[str, Any], tmp_path: Path) -> None:
+    """LMCache's keys carry the model's name, not its weights: the weights there decide."""
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"old")
+    keys = [key(i, model=str(model)) for i in range(3)]
+    first = build(fs)
+    assert store(first, keys, [chunk(seed=i) for i in range(3)]).is_successful()
+    first.close()
+    same_weights = build(fs)
+    try:
+        assert lookup(same_weights, keys) == [True] * 3  # a restart alone keeps the cache
+    finally:
+        same_weights.close()
+    weights.write_bytes(b"new weights, same name")  # updated in place, then the server restarts
+    updated = build(fs)
+    try:
+        assert lookup(updated, keys) == [False] * 3
+        targets = [chunk() for _ in keys]
+        assert load(updated, keys, targets) == [False] * 3
+        assert not any(t.raw_tensor.any() for t in targets)
+    finally:
+        updated.close()
+
+
 def test_objects_of_several_sizes_in_one_task(fs: dict[str, Any]) -> None:
     adapter = build(fs, staging_mib=1)  # 16 slots of 64 KiB: a 40-chunk task goes through in turns
     try:

@@ -28,9 +28,14 @@ the tier has a staging region of its own (`staging_mib`), and each object is
 copied in or out of its staging slot on kvtier's worker threads.
 
 Keys. An `ObjectKey` (chunk hash, model, KV rank, object group, cache salt)
-becomes one kvtier key, a BLAKE2b digest of all five fields: two models, ranks,
-groups or salts never share a block, and the tier's block format checks each
-block against its key and checksum on every load.
+becomes one kvtier key, a BLAKE2b digest of all five fields and of the weights
+behind the model name (`model_identity.weights_identity`: a local model directory's
+configuration and weight files, or a hub id's cached revision): two models, ranks,
+groups, salts or weight revisions never share a block, and the tier's block format
+checks each block against its key and checksum on every load. The weights are
+looked at once per model name per adapter, on the engine's thread that first names
+it (never on the loop); LMCache's own L1 keys by model name alone, so after
+updating weights in place restart LMCache's server, as the engine.
 
 Lookup and lock. A lookup answers which keys the tier holds and locks each hit
 until `submit_unlock` gives it back: the tier `hold`s the block, so its own
@@ -73,6 +78,7 @@ from lmcache.v1.platform import create_event_notifier
 from ..errors import ClosedError, ConfigError
 from .bridge import LoopThread, engine_config, settle
 from .lmcache_objects import InPlace, SizeClass, SizeClasses, arena_view, check_objects, object_view, parts
+from .model_identity import weights_identity
 
 __all__ = ["KVTierL2Adapter"]
 
@@ -84,20 +90,48 @@ STAGING_MIB = 256
 CLOSE_GRACE_S = 10.0
 
 
-def object_key(key: Any) -> bytes:
-    """The kvtier key of an LMCache `ObjectKey`: a digest of every field that names the object."""
-    fields = (
+def object_key(key: Any, weights: str | None = None) -> bytes:
+    """The kvtier key of an LMCache `ObjectKey`: a digest of every field that names the object,
+    and of `weights` (the model's `weights_identity`) where it is known."""
+    fields = [
         bytes(key.chunk_hash),
         str(key.model_name).encode(),
         str(int(key.kv_rank)).encode(),
         str(int(getattr(key, "object_group_id", 0))).encode(),
         str(getattr(key, "cache_salt", "")).encode(),
-    )
+    ]
+    if weights is not None:  # without it, keys stay as they were: blocks stored then still load
+        fields.append(weights.encode())
     digest = hashlib.blake2b(digest_size=32, person=b"kvtier-lmcache")
     for field in fields:
         digest.update(len(field).to_bytes(4, "big"))
         digest.update(field)
     return digest.digest()
+
+
+class ObjectKeys:
+    """`ObjectKey`s to kvtier keys, each model's weights looked at once. Engine threads call at
+    once; the first to name a model reads its files (never the loop thread: see the callers)."""
+
+    #: Model names remembered; past that the memory starts over (names come from engine configs).
+    MAX_MODELS = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._weights: dict[str, str | None] = {}
+
+    def __call__(self, keys: list[Any]) -> list[bytes]:
+        return [object_key(key, self._weights_of(str(key.model_name))) for key in keys]
+
+    def _weights_of(self, model: str) -> str | None:
+        with self._lock:
+            if model in self._weights:
+                return self._weights[model]
+        weights = weights_identity(model)  # outside the lock: it reads files
+        with self._lock:
+            if len(self._weights) >= self.MAX_MODELS:
+                self._weights.clear()
+            return self._weights.setdefault(model, weights)
 
 
 def _declared_capacity(tier_config: Mapping[str, Any]) -> int:
@@ -149,6 +183,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         self._sizes = SizeClasses(  # loop thread only
             self.tier_config, self.limits, staging_mib << 20, arena, on_removed=self._on_tier_removed
         )
+        self._names = ObjectKeys()  # called on LMCache's threads, so the loop never reads model files
         self._bridge = LoopThread("kvtier-lmcache")
 
     # -- event fds ----------------------------------------------------------------------------------
@@ -176,8 +211,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         """Store `objects` under `keys` in the background; the result via `pop_completed_store_tasks`."""
         check_objects(keys, objects)
+        wanted = self._names(keys)
         task_id = self._new_task()
-        self._start(self._store(task_id, list(keys), list(objects)))
+        self._start(self._store(task_id, list(keys), wanted, list(objects)))
         return task_id
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -189,8 +225,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         """Which of `keys` the tier holds, each hit locked; the bitmap via `query_lookup_and_lock_result`.
         The groups' layouts name the object sizes to look in (a restarted adapter has opened none)."""
         sizes = {_layout_nbytes(desc) for desc in (group_layout_descs or {}).values()} - {0}
+        wanted = self._names(keys)
         task_id = self._new_task()
-        self._start(self._lookup(task_id, list(keys), sorted(sizes)))
+        self._start(self._lookup(task_id, wanted, sorted(sizes)))
         return task_id
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -198,7 +235,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             return self._lookups_done.pop(task_id, None)
 
     def submit_unlock(self, keys: list[Any]) -> None:
-        wanted = [object_key(key) for key in keys]
+        wanted = self._names(keys)
         with self._lock:
             unlocked = [key for key in wanted if self._locks[key]]
             for key in unlocked:
@@ -212,8 +249,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         """Load `keys` into `objects` (LMCache's buffers) in the background; the bitmap via
         `query_load_result`: a bit is set only where the object now holds the exact bytes."""
         check_objects(keys, objects)
+        wanted = self._names(keys)
         task_id = self._new_task()
-        self._start(self._load(task_id, list(keys), list(objects)))
+        self._start(self._load(task_id, list(keys), wanted, list(objects)))
         return task_id
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -221,14 +259,16 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             return self._loads_done.pop(task_id, None)
 
     # -- the tasks, on the loop thread ----------------------------------------------------------------
-    async def _store(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+    async def _store(
+        self, task_id: L2TaskId, keys: list[Any], wanted: list[bytes], objects: list[Any]
+    ) -> None:
         stored: list[int] = []  # newly stored: counted in LMCache's byte accounting once
         ok = False
         try:
             cut = parts(objects)
             # The parts run at once: one part's copies overlap the others' writes.
             work = [
-                self._sizes.store(nbytes, [object_key(keys[i]) for i in part], [objects[i] for i in part])
+                self._sizes.store(nbytes, [wanted[i] for i in part], [objects[i] for i in part])
                 for nbytes, part in cut
             ]
             outcomes = await asyncio.gather(*work, return_exceptions=True)
@@ -248,18 +288,17 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
                 self._stores_done[task_id] = L2StoreResult(ok, sum(sizes))
             if stored:
                 for i, size in zip(stored, sizes):
-                    self._counted[object_key(keys[i])] = (keys[i], size)
+                    self._counted[wanted[i]] = (keys[i], size)
                 self._notify_keys_stored([keys[i] for i in stored], sizes)
             self._store_fd.notify()
 
-    async def _lookup(self, task_id: L2TaskId, keys: list[Any], sizes: list[int]) -> None:
-        bitmap = Bitmap(len(keys))
-        wanted = [object_key(key) for key in keys]
+    async def _lookup(self, task_id: L2TaskId, wanted: list[bytes], sizes: list[int]) -> None:
+        bitmap = Bitmap(len(wanted))
         try:
             for nbytes in sizes:  # the groups' full-chunk sizes: opened here after a restart
                 await self._sizes.get(nbytes)
-            present = [False] * len(keys)
-            found_in: list[SizeClass | None] = [None] * len(keys)
+            present = [False] * len(wanted)
+            found_in: list[SizeClass | None] = [None] * len(wanted)
             # An object's size is not in its key: ask the tier of every size opened so far.
             for size_class in self._sizes.opened():
                 todo = [i for i, hit in enumerate(present) if not hit]
@@ -298,14 +337,16 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
             if size_class is not None:
                 size_class.tier.release([key])
 
-    async def _load(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+    async def _load(
+        self, task_id: L2TaskId, keys: list[Any], wanted: list[bytes], objects: list[Any]
+    ) -> None:
         bitmap = Bitmap(len(keys))
         loaded: list[int] = []
         try:
             cut = parts(objects)
             outcomes = await asyncio.gather(
                 *(
-                    self._sizes.load(nbytes, [object_key(keys[i]) for i in part], [objects[i] for i in part])
+                    self._sizes.load(nbytes, [wanted[i] for i in part], [objects[i] for i in part])
                     for nbytes, part in cut
                 ),
                 return_exceptions=True,
@@ -332,7 +373,7 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache has 
         with self._lock:
             if self._closed or not keys:
                 return
-        self._bridge.call(self._delete([object_key(key) for key in keys]))
+        self._bridge.call(self._delete(self._names(keys)))
 
     async def _delete(self, wanted: list[bytes]) -> None:
         # The tiers tell `_on_tier_removed` of what they let go, which takes it off LMCache's usage.
