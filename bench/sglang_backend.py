@@ -1,24 +1,36 @@
 """Benchmark: kvtier's SGLang backend (fs tier) against SGLang's own `HiCacheFile` and raw O_DIRECT.
 
-    python bench/sglang_backend.py --repeat 4                    # 2 and 8 MiB pages, both layouts
-    python bench/sglang_backend.py --page-mib 2 --layouts page_first --repeat 2
+    python bench/sglang_backend.py --repeat 4                    # every case below
+    python bench/sglang_backend.py --cases 2mib-page_first small-runs --repeat 2
 
-SGLang's real MHA host pool (bf16, 8 heads of 128, 64 tokens a page; 8 layers for 2 MiB pages,
-32 for 8 MiB) holds random bytes. Each round, in rotating order, three sides move the same
-pages through the same directory's disk, 128 pages a call, from one thread as SGLang's backup
-and prefetch-I/O threads do:
+SGLang's real MHA host pool (bf16) holds random bytes. The cases:
 
-- kvtier: `KVTierHiCacheStorage` at its defaults (fs tier, checksums on) through the v1 calls
-  SGLang's controller makes with `interface_v1`, `batch_set_v1` then, in a new backend (a
-  restarted server) after the page cache is dropped, `batch_get_v1` into other host slots;
+- `2mib-*`, `8mib-*`: 8 KV heads of 128, 64 tokens a page, 8 layers (2 MiB pages) or 32
+  (8 MiB), in both layouts, through the v1 calls SGLang's controller makes with
+  `interface_v1` (runs of 128 KiB per layer, or K and V of the whole page in the page-first
+  layout, moved in place in the host pool);
+- `small-runs`: SGLang's default page size 1, layer-first, a 7B-class GQA geometry (28
+  layers, 4 KV heads of 128: Qwen2.5-7B): runs of 1 KiB, each 56 KiB page packed into one
+  block through page slots, v1 calls;
+- `generic`: 2 MiB layer-first pages through the generic calls SGLang makes without
+  `interface_v1` (`batch_set` of flat pages, `batch_get` into SGLang's dummy pages).
+
+Each round, in rotating order, three sides move the same pages through the same directory's
+disk, 128 pages a call, from one thread as SGLang's backup and prefetch-I/O threads do:
+
+- kvtier: `KVTierHiCacheStorage` at its defaults (fs tier, checksums on), the set, then, in a
+  new backend (a restarted server) after the page cache is dropped, the get into other host
+  slots (or dummy pages);
 - HiCacheFile: SGLang's file backend through the generic calls it serves (`batch_set` of flat
   pages, made before the clock starts; `batch_get` into SGLang's dummy pages), its files'
   cached pages dropped before the get (its set lands in the page cache, it does not fsync);
 - raw: each page's runs written to one file with O_DIRECT `pwritev`, read back with `preadv`,
   on as many threads as the fs tier's I/O threads: no checksum, no index, no crash safety.
+  Only where runs are 4096-byte multiples (O_DIRECT refuses smaller ones).
 
-Also the time of a warm `batch_exists` of 128 keys (median of 200 calls). Every byte loaded
-by kvtier and raw is checked.
+Flat pages for both generic sides are made before the clock starts. Also the time of a warm
+`batch_exists` of 128 keys (median of 200 calls). Every byte loaded by kvtier and raw is
+checked.
 """
 
 from __future__ import annotations
@@ -45,7 +57,20 @@ from kvtier_async.spec import OffloadingSpec
 
 GB = 1e9
 BATCH = 128
-GEOMETRY = {2: {"layers": 8}, 8: {"layers": 32}}  # 8 heads x 128 x bf16 x 64 tokens x K+V per layer
+BIG = {"page_size": 64, "heads": 8, "head_dim": 128}  # x bf16 x K+V: 128 KiB runs per layer
+CASES: dict[str, dict[str, Any]] = {
+    **{
+        f"{mib}mib-{layout}": {"pool": {**BIG, "layers": layers}, "layout": layout, "path": "v1"}
+        for mib, layers in ((2, 8), (8, 32))
+        for layout in ("page_first", "layer_first")
+    },
+    "small-runs": {
+        "pool": {"page_size": 1, "heads": 4, "head_dim": 128, "layers": 28},
+        "layout": "layer_first",
+        "path": "v1",
+    },
+    "generic": {"pool": {**BIG, "layers": 8}, "layout": "layer_first", "path": "generic"},
+}
 
 
 def page_views(pool: Any, page: int) -> list[memoryview]:
@@ -63,14 +88,19 @@ def batches(pages: int) -> list[range]:
     return [range(s, min(s + BATCH, pages)) for s in range(0, pages, BATCH)]
 
 
-def kvtier_round(pool: Any, pages: int, root: Path, tag: str) -> dict[str, float]:
+def kvtier_round(pool: Any, pages: int, root: Path, tag: str, path: str) -> dict[str, float]:
     tier = {"type": "fs", "root": str(root)}
     keys = names(pages, tag)
-    backend = KVTierHiCacheStorage(backend_config(tier, pool=pool), {})
+    config = backend_config(tier, pool=pool, extra={"interface_v1": int(path == "v1")})
+    flat = [pool.get_data_page(p * pool.page_size).clone() for p in range(pages)] if path != "v1" else []
+    backend = KVTierHiCacheStorage(config, {})
     backend.register_mem_pool_host(pool)
     started = time.perf_counter()
     for part in batches(pages):
-        assert all(backend.batch_set_v1(keys[part.start : part.stop], slots(pool, list(part))))
+        if path == "v1":
+            assert all(backend.batch_set_v1(keys[part.start : part.stop], slots(pool, list(part))))
+        else:
+            assert backend.batch_set(keys[part.start : part.stop], flat[part.start : part.stop])
     set_s = time.perf_counter() - started
     exists = []
     for _ in range(200):
@@ -79,18 +109,26 @@ def kvtier_round(pool: Any, pages: int, root: Path, tag: str) -> dict[str, float
         exists.append(time.perf_counter() - t)
     backend.close()
     drop_page_cache(root)
-    again = KVTierHiCacheStorage(backend_config(tier, pool=pool), {})
+    again = KVTierHiCacheStorage(config, {})
     again.register_mem_pool_host(pool)  # a restarted server: the index read before the clock
+    targets = [pool.get_dummy_flat_data_page() for _ in range(pages)] if path != "v1" else []
     started = time.perf_counter()
     for part in batches(pages):
-        target = [pages + i for i in part]
-        assert all(again.batch_get_v1(keys[part.start : part.stop], slots(pool, target)))
+        if path == "v1":
+            target = [pages + i for i in part]
+            assert all(again.batch_get_v1(keys[part.start : part.stop], slots(pool, target)))
+        else:
+            got = again.batch_get(keys[part.start : part.stop], targets[part.start : part.stop])
+            assert all(page is not None for page in got)
     get_s = time.perf_counter() - started
-    exact = all(
-        bytes(a) == bytes(b)
-        for p in range(pages)
-        for a, b in zip(page_views(pool, p), page_views(pool, pages + p))
-    )
+    if path == "v1":
+        exact = all(
+            bytes(a) == bytes(b)
+            for p in range(pages)
+            for a, b in zip(page_views(pool, p), page_views(pool, pages + p))
+        )
+    else:
+        exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(flat, targets))
     again.clear()
     again.close()
     return {
@@ -155,8 +193,7 @@ def raw_round(pool: Any, pages: int, root: Path, threads: int) -> dict[str, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--page-mib", type=int, nargs="+", default=[2, 8], choices=sorted(GEOMETRY))
-    parser.add_argument("--layouts", nargs="+", default=["page_first", "layer_first"])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--mib", type=int, default=512, help="MiB of pages per case and side")
     parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temp dir)")
@@ -165,61 +202,66 @@ def main() -> None:
     threads = OffloadingSpec(block_nbytes=4096, num_cpu_blocks=1).limits.io_threads
     results = []
     with tempfile.TemporaryDirectory(prefix="kvtier-sglang-", dir=args.dir) as work:
-        for page_mib in args.page_mib:
-            for layout in args.layouts:
-                page_nbytes = page_mib << 20
-                pages = max(8, (args.mib << 20) // page_nbytes)
-                pool = mha_pool(
-                    layout, page_size=64, heads=8, head_dim=128, tokens=2 * pages * 64, **GEOMETRY[page_mib]
-                )
-                rounds: dict[str, list[dict[str, float]]] = {"kvtier": [], "file": [], "raw": []}
-                for r in range(args.repeat):
-                    sides = ["kvtier", "file", "raw"]
-                    for side in sides[r % 3 :] + sides[: r % 3]:
-                        root = Path(work) / f"{side}-{r}"
-                        if side == "kvtier":
-                            rounds[side].append(kvtier_round(pool, pages, root, f"k{r}"))
-                        elif side == "file":
-                            rounds[side].append(file_round(pool, pages, root, f"f{r}"))
-                        else:
-                            rounds[side].append(raw_round(pool, pages, root, threads))
-                        shutil.rmtree(root, ignore_errors=True)
-                nbytes = pages * page_nbytes
-                case: dict[str, Any] = {
-                    "page_mib": page_mib,
-                    "layout": layout,
-                    "pages": pages,
-                    "threads": threads,
+        for name in args.cases:
+            case_config = CASES[name]
+            geometry = case_config["pool"]
+            probe = mha_pool(case_config["layout"], tokens=2 * geometry["page_size"], **geometry)
+            _, sizes = probe.get_page_buffer_meta(slots(probe, [0]))
+            run_nbytes, page_nbytes = sizes[0], sum(sizes)
+            del probe
+            pages = max(8, (args.mib << 20) // page_nbytes)
+            pool = mha_pool(case_config["layout"], tokens=2 * pages * geometry["page_size"], **geometry)
+            sides = ["kvtier", "file"] + (["raw"] if run_nbytes % 4096 == 0 else [])
+            rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+            for r in range(args.repeat):
+                for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                    root = Path(work) / f"{side}-{r}"
+                    if side == "kvtier":
+                        rounds[side].append(kvtier_round(pool, pages, root, f"k{r}", case_config["path"]))
+                    elif side == "file":
+                        rounds[side].append(file_round(pool, pages, root, f"f{r}"))
+                    else:
+                        rounds[side].append(raw_round(pool, pages, root, threads))
+                    shutil.rmtree(root, ignore_errors=True)
+            nbytes = pages * page_nbytes
+            case: dict[str, Any] = {
+                "case": name,
+                "page_kib": page_nbytes >> 10,
+                "run_bytes": run_nbytes,
+                "layout": case_config["layout"],
+                "path": case_config["path"],
+                "pages": pages,
+                "threads": threads,
+            }
+            for side, done in rounds.items():
+                case[side] = {
+                    "set_gbps": statistics.median(nbytes / d["set_s"] / GB for d in done),
+                    "get_gbps": statistics.median(nbytes / d["get_s"] / GB for d in done),
                 }
-                for side, done in rounds.items():
-                    case[side] = {
-                        "set_gbps": statistics.median(nbytes / d["set_s"] / GB for d in done),
-                        "get_gbps": statistics.median(nbytes / d["get_s"] / GB for d in done),
-                    }
-                case["kvtier"]["exists_ms"] = statistics.median(d["exists_ms"] for d in rounds["kvtier"])
-                case["kvtier"]["exact"] = all(d["exact"] for d in rounds["kvtier"])
-                for op in ("set", "get"):  # round by round: each round's sides share the disk's state
-                    for other in ("raw", "file"):
-                        ratios = [
-                            o[f"{op}_s"] / k[f"{op}_s"] for k, o in zip(rounds["kvtier"], rounds[other])
-                        ]
-                        case[f"{op}_vs_{other}"] = statistics.median(ratios)
-                results.append(case)
-                print_case(case)
-                del pool
+            case["kvtier"]["exists_ms"] = statistics.median(d["exists_ms"] for d in rounds["kvtier"])
+            case["kvtier"]["exact"] = all(d["exact"] for d in rounds["kvtier"])
+            for op in ("set", "get"):  # round by round: each round's sides share the disk's state
+                for other in sides[1:]:
+                    ratios = [o[f"{op}_s"] / k[f"{op}_s"] for k, o in zip(rounds["kvtier"], rounds[other])]
+                    case[f"{op}_vs_{other}"] = statistics.median(ratios)
+            results.append(case)
+            print_case(case)
+            del pool
     if args.json:
         args.json.write_text(json.dumps({"repeat": args.repeat, "mib": args.mib, "cases": results}, indent=1))
 
 
 def print_case(case: dict[str, Any]) -> None:
-    k, f, r = case["kvtier"], case["file"], case["raw"]
+    k, f, r = case["kvtier"], case["file"], case.get("raw")
+    raw = f" raw {r['set_gbps']:.2f}" if r else ""
+    raw_get = f" raw {r['get_gbps']:.2f}" if r else ""
+    vs_raw = f" | kvtier/raw set {case['set_vs_raw']:.2f}x get {case['get_vs_raw']:.2f}x" if r else ""
     print(
-        f"{case['page_mib']} MiB {case['layout']:<11} | set GB/s kvtier {k['set_gbps']:.2f} "
-        f"file {f['set_gbps']:.2f} raw {r['set_gbps']:.2f} | get GB/s kvtier {k['get_gbps']:.2f} "
-        f"file {f['get_gbps']:.2f} raw {r['get_gbps']:.2f} | kvtier/raw set {case['set_vs_raw']:.2f}x "
-        f"get {case['get_vs_raw']:.2f}x | kvtier/file set {case['set_vs_file']:.2f}x "
-        f"get {case['get_vs_file']:.2f}x | warm batch_exists(128) {k['exists_ms']:.3f} ms "
-        f"| exact {k['exact']}",
+        f"{case['case']:<17} {case['page_kib']} KiB pages, runs of {case['run_bytes']} B, {case['path']} "
+        f"| set GB/s kvtier {k['set_gbps']:.2f} file {f['set_gbps']:.2f}{raw} | get GB/s kvtier "
+        f"{k['get_gbps']:.2f} file {f['get_gbps']:.2f}{raw_get}{vs_raw} | kvtier/file set "
+        f"{case['set_vs_file']:.2f}x get {case['get_vs_file']:.2f}x | warm batch_exists(128) "
+        f"{k['exists_ms']:.3f} ms | exact {k['exact']}",
         flush=True,
     )
 

@@ -113,12 +113,18 @@ def test_remote_tiers_bench_runs(tmp_path: Path) -> None:
 
 def test_sglang_backend_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "sglang.json"
-    args = ("--page-mib", "2", "--mib", "16", "--repeat", "2", "--dir", tmp_path, "--json", out)
+    chosen = ["2mib-page_first", "small-runs", "generic"]
+    args = ("--cases", *chosen, "--mib", "16", "--repeat", "2", "--dir", tmp_path, "--json", out)
     table = bench("sglang_backend.py", *args)
     assert "warm batch_exists(128)" in table
     cases = json.loads(out.read_text())["cases"]
-    assert [(c["page_mib"], c["layout"]) for c in cases] == [(2, "page_first"), (2, "layer_first")]
+    assert [(c["case"], c["path"], c["run_bytes"]) for c in cases] == [
+        ("2mib-page_first", "v1", 1 << 20),  # K or V of a whole page
+        ("small-runs", "v1", 1024),
+        ("generic", "generic", 128 << 10),
+    ]
     assert all(c["kvtier"]["exact"] for c in cases)
+    assert "raw" not in cases[1] and cases[0]["set_vs_raw"] > 0  # O_DIRECT refuses 1 KiB runs
 
 
 def test_lmcache_l2_bench_runs(tmp_path: Path) -> None:

@@ -232,6 +232,123 @@ def test_the_generic_path_round_trips_flat_pages(layout: str, fs: dict[str, Any]
         backend.close()
 
 
+#: Pool geometries users launch: the documented one (runs in place), SGLang's default page size 1
+#: and page size 16 with 2 KV heads x 32 dims (runs of 128 B and 2 KiB: packed), and MLA with
+#: page size 1 (runs of 1152 B: packed).
+GEOMETRIES = {
+    "mha-16x2x128": lambda layout: mha_pool(layout),
+    "mha-1x2x32": lambda layout: mha_pool(layout, page_size=1, heads=2, head_dim=32, tokens=64),
+    "mha-16x2x32": lambda layout: mha_pool(layout, page_size=16, heads=2, head_dim=32),
+    "mla-1": lambda layout: mla_pool(layout, page_size=1, tokens=64),
+}
+
+
+def flat_pages(pool: Any, pages: list[int]) -> list[torch.Tensor]:
+    """Host pages as the generic controller path hands them over (`get_data_page`)."""
+    return [pool.get_data_page(p * pool.page_size).clone() for p in pages]
+
+
+def stored_through(
+    backend: KVTierHiCacheStorage, pool: Any, path: str, names: list[str], pages: list[int]
+) -> None:
+    if path == "v1":
+        assert backend.batch_set_v1(names, slots(pool, pages)) == [True] * len(names)
+    else:
+        assert backend.batch_set(names, flat_pages(pool, pages))
+
+
+def loaded_through(
+    backend: KVTierHiCacheStorage, pool: Any, path: str, names: list[str], into: list[int]
+) -> None:
+    """Load `names` into host pages `into` by `path` (the generic one as the controller does:
+    dummy flat pages, then `set_from_flat_data_page`)."""
+    if path == "v1":
+        assert backend.batch_get_v1(names, slots(pool, into)) == [True] * len(names)
+        return
+    got = backend.batch_get(names, [pool.get_dummy_flat_data_page() for _ in names])
+    assert all(page is not None for page in got)
+    for page, host in zip(got, into):
+        pool.set_from_flat_data_page(host * pool.page_size, page)
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("path", ["v1", "generic"])
+def test_every_geometry_and_path_stores_one_layout_found_and_loaded_by_either_path(
+    path: str, layout: str, geometry: str, fs: dict[str, Any]
+) -> None:
+    """Set, exists, get by the path the controller uses, get by the other, and a restart: every
+    page byte-exact, every stored page found by `batch_exists`."""
+    pool = GEOMETRIES[geometry](layout)
+    other = "generic" if path == "v1" else "v1"
+    names, count = keys(12, path[0]), 12
+    expected = [page_bytes(pool, p) for p in range(count)]
+    backend = build(fs, pool, extra={"interface_v1": int(path == "v1")})
+    try:
+        stored_through(backend, pool, path, names, list(range(count)))
+        assert backend.batch_exists(names + keys(1, "z")) == count
+        loaded_through(backend, pool, path, names, list(range(count, 2 * count)))
+        assert [page_bytes(pool, p) for p in range(count, 2 * count)] == expected
+        loaded_through(backend, pool, other, names[3:9], list(range(2 * count, 2 * count + 6)))
+        assert [page_bytes(pool, p) for p in range(2 * count, 2 * count + 6)] == expected[3:9]
+    finally:
+        backend.close()
+
+    again = GEOMETRIES[geometry](layout)  # a new process: its own pool, other bytes in it
+    for reader_path in (path, other):
+        restarted = build(fs, again, extra={"interface_v1": int(reader_path == "v1")})
+        try:
+            assert restarted.batch_exists(names) == count
+            loaded_through(restarted, again, reader_path, names, list(range(count)))
+            assert [page_bytes(again, p) for p in range(count)] == expected
+        finally:
+            restarted.close()
+
+
+def test_sglangs_generic_controller_path_hits_without_interface_v1(
+    fs: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The backend built by SGLang's factory from a config without `interface_v1`, driven by
+    SGLang's own controller code for that path: its hit query (real page hashes of token ids,
+    `batch_exists`), its generic page set (`get_data_page`, `batch_set`) and get (dummy pages,
+    `batch_get`, `set_from_flat_data_page`)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    pool = mha_pool("layer_first", page_size=1, heads=2, head_dim=32, tokens=128)  # small runs too
+    storage_config = backend_config(fs, pool=pool)
+    del storage_config.extra_config["interface_v1"]
+    with caplog.at_level("WARNING", logger="kvtier_async.integrations.sglang"):
+        backend = StorageBackendFactory.create_backend("dynamic", storage_config, pool)
+        backend.register_mem_pool_host(pool)
+    assert isinstance(backend, KVTierHiCacheStorage) and not backend.interface_v1
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("interface_v1" in w for w in warnings) and any("--page-size" in w for w in warnings)
+    try:
+        controller = SimpleNamespace(
+            storage_host_pool=pool, storage_backend=backend, page_size=pool.page_size
+        )
+        tokens = list(range(1000, 1040))  # 40 pages of one token
+        operation = SimpleNamespace(
+            last_hash=None, token_ids=tokens, prefix_keys=None, request_id="r1", is_terminated=lambda: False
+        )
+        hits, tokens_hit = HiCacheController._storage_hit_query(controller, operation)
+        assert (hits, tokens_hit) == ([], 0)
+        hashes = operation.all_hash_values
+        host = torch.arange(0, 40, dtype=torch.int64)
+        expected = [page_bytes(pool, p) for p in range(40)]
+        assert HiCacheController._generic_page_set(controller, hashes, host)
+
+        hits, tokens_hit = HiCacheController._storage_hit_query(controller, operation)
+        assert hits == hashes and tokens_hit == 40
+        into = torch.arange(64, 104, dtype=torch.int64)
+        assert HiCacheController._generic_page_get(controller, operation, hashes, into) == 40
+        assert [page_bytes(pool, p) for p in range(64, 104)] == expected
+    finally:
+        backend.close()
+
+
 def test_clear_forgets_this_backends_pages(fs: dict[str, Any]) -> None:
     pool = mha_pool("page_first")
     backend = build(fs, pool)
@@ -289,10 +406,6 @@ def test_bad_configuration_fails_at_start_up_naming_the_key(tmp_path: Path) -> N
         build({"type": "fs", "root": str(tmp_path)}, pool, extra={"limits": {"threads": 4}})
     with pytest.raises(ConfigError, match="root"):
         build({"type": "fs"}, pool)
-    # A page whose runs are not a multiple of 4096 bytes (page size 1): refused at registration.
-    small = mha_pool("page_first", page_size=1, tokens=64)
-    with pytest.raises(ConfigError, match="4096"):
-        build({"type": "fs", "root": str(tmp_path)}, small)
     backend = build({"type": "fs", "root": str(tmp_path / "ok")}, pool)
     try:
         with pytest.raises(InvalidArgumentError, match="host_indices"):
@@ -322,17 +435,21 @@ def test_a_fleet_shares_pages_through_redis_and_s3(shared: str, request: pytest.
         b.close()
 
 
-@pytest.mark.parametrize("kind", ["fs", "redis"])
+@pytest.mark.parametrize("kind", ["fs", "redis", "fs-packed"])
 def test_the_three_controller_threads_at_once_with_full_batches(
     kind: str, fs: dict[str, Any], request: pytest.FixtureRequest
 ) -> None:
     """Backup (batch_set_v1), prefetch (batch_exists over the whole chain) and prefetch I/O
-    (batch_get_v1) threads at once, 128 pages a call, as SGLang's controller runs them."""
+    (batch_get_v1) threads at once, 128 pages a call, as SGLang's controller runs them; pages in
+    place, and packed pages copied through page slots."""
     tier = fs
     if kind == "redis":
         url = request.getfixturevalue("redis_server").url
         tier = {"type": "redis", "url": url, "prefix": "sglang-threads"}
-    pool = mha_pool("page_first", tokens=16 * 512)
+    if kind == "fs-packed":  # page size 1, small runs: pages through page slots, leased per call
+        pool = mha_pool("layer_first", page_size=1, heads=2, head_dim=32, tokens=512)
+    else:
+        pool = mha_pool("page_first", tokens=16 * 512)
     backend = build(tier, pool)
     chain = keys(256, "t")
     first_half_stored = threading.Event()

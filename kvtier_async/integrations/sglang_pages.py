@@ -1,0 +1,237 @@
+"""SGLang host pages as kvtier blocks: where a page's bytes lie, how it is stored, and the
+page slots that pages move through when they cannot move in place.
+
+A host pool describes a page as equal runs of its buffer (`get_page_buffer_meta`): K and V
+in the page-first layout, K and V per layer in the layer-first one, one (or one per layer)
+for MLA. `PageRuns` reads that description.
+
+One storage layout per pool geometry, whichever SGLang path stores a page (`BlockLayout`):
+
+- **in place**, where each run is a multiple of 4096 bytes at a 4096-aligned offset: each run
+  is one block, keyed by the page's key and the run's number. The v1 path reads and writes
+  the runs in the host pool itself (the pool is the tier's primary memory).
+- **packed**, otherwise (small pages, few heads): the page is one block, its runs in order,
+  zero-padded to a multiple of 4096 bytes, so the tier keeps its O_DIRECT path. Each page is
+  copied between the pool (or SGLang's flat page) and a page slot (`PageSlots`).
+
+SGLang's generic path hands over flat pages (`get_data_page`): the pool's bytes in its own
+index order, which is not the run order in the layer-first layout (all K layers, then all
+V). `flat_order` learns from the pool which run each run-sized piece of a flat page is, so a
+flat page is stored as the same blocks as the v1 path stores, and either path finds and
+loads the other's pages.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, InvalidArgumentError
+from ..primary import reserve_host_memory
+
+__all__ = ["ALIGNMENT", "BlockLayout", "PageRuns", "PageSlots", "flat_order"]
+
+ALIGNMENT = 4096
+#: Page slots at most, however small the pages: a batch of SGLang's is far fewer.
+MAX_SLOTS = 1024
+RUN_NUMBER_BYTES = 2  # a block's key: the page key, then the run's number (big-endian)
+
+
+class PageRuns:
+    """Where each host-pool page's bytes lie: `runs` equal runs of the pool's buffer, read from the
+    pool's own `get_page_buffer_meta`, as row numbers of `run_nbytes` in the buffer."""
+
+    def __init__(self, pool: Any) -> None:
+        buffer = getattr(pool, "kv_buffer", None)
+        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ConfigError(
+                f"kvtier SGLang backend: host pool {type(pool).__name__} has no contiguous CPU kv_buffer "
+                "(this layout is not supported)"
+            )
+        self.pool = pool
+        self.page_size = int(pool.page_size)
+        self.base = buffer.data_ptr()
+        self.nbytes = buffer.numel() * buffer.element_size()
+        try:
+            ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+        except (NotImplementedError, ValueError, AssertionError) as exc:
+            raise ConfigError(
+                f"kvtier SGLang backend: host pool {type(pool).__name__} with layout "
+                f"{getattr(pool, 'layout', '?')!r} does not describe its pages ({exc})"
+            ) from exc
+        if not ptrs or len(set(sizes)) != 1:
+            raise ConfigError(
+                f"kvtier SGLang backend: host pool layout {getattr(pool, 'layout', '?')!r} splits a page "
+                f"into runs of different sizes {sorted(set(sizes))}; not supported"
+            )
+        self.runs = len(ptrs)
+        self.run_nbytes = int(sizes[0])
+        self.page_nbytes = self.runs * self.run_nbytes
+        if self.nbytes % self.run_nbytes:
+            raise ConfigError(
+                f"kvtier SGLang backend: the host pool's {self.nbytes} bytes are not whole runs of "
+                f"{self.run_nbytes}; not supported"
+            )
+        #: Runs of 4096-byte multiples at 4096-aligned offsets move in place (see `BlockLayout`).
+        self.in_place = self.run_nbytes % ALIGNMENT == 0 and self.base % ALIGNMENT == 0
+        # The buffer as bytes: the in-place tier's primary memory, and its runs as rows.
+        flat = buffer.view(torch.uint8).reshape(-1)
+        self.view: memoryview = flat.numpy().data
+        self.rows_tensor = flat.view(-1, self.run_nbytes)
+        # For scattering runs: numpy assigns rows by index at memcpy speed, torch's index_copy_
+        # at 2 GB/s here.
+        self.rows_array = self.rows_tensor.numpy()
+
+    def rows(self, pages: int, host_indices: torch.Tensor) -> list[int]:
+        """The rows of `pages` pages named by `host_indices` (their token slots), page by page."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            raise InvalidArgumentError("host_indices must be a 1-D tensor of host-pool token slots")
+        if host_indices.numel() != pages * self.page_size:
+            raise InvalidArgumentError(
+                f"{pages} keys need {pages * self.page_size} host_indices (page size {self.page_size}), "
+                f"got {host_indices.numel()}"
+            )
+        ptrs, _ = self.pool.get_page_buffer_meta(host_indices.to("cpu", torch.int64))
+        rows = []
+        for ptr in ptrs:
+            offset = int(ptr) - self.base
+            if offset % self.run_nbytes or not 0 <= offset < self.nbytes:
+                raise InvalidArgumentError(
+                    f"host_indices name a slot outside the host pool (offset {offset})"
+                )
+            rows.append(offset // self.run_nbytes)
+        return rows
+
+    def in_place_page_size(self) -> int:
+        """The smallest page size whose runs would be whole multiples of 4096 bytes."""
+        per_token = self.run_nbytes // self.page_size
+        return ALIGNMENT // math.gcd(ALIGNMENT, per_token)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a page is stored: `blocks_per_page` blocks of `block_nbytes` each."""
+
+    blocks_per_page: int
+    block_nbytes: int
+    packed: bool
+
+    @classmethod
+    def of(cls, runs: PageRuns) -> BlockLayout:
+        if runs.in_place:
+            return cls(runs.runs, runs.run_nbytes, packed=False)
+        return cls(1, -(-runs.page_nbytes // ALIGNMENT) * ALIGNMENT, packed=True)
+
+    def keys(self, pages: Sequence[bytes]) -> list[bytes]:
+        """The block keys of `pages`, page by page."""
+        return [
+            page + run.to_bytes(RUN_NUMBER_BYTES, "big")
+            for page in pages
+            for run in range(self.blocks_per_page)
+        ]
+
+    def per_page(self, results: Sequence[bool]) -> list[bool]:
+        """Per page, whether all its blocks' results are True (a lookup that stopped at a miss
+        may end mid-page: that page is False)."""
+        n = self.blocks_per_page
+        return [
+            len(results) >= (i + 1) * n and all(results[i * n : (i + 1) * n])
+            for i in range(-(-len(results) // n))
+        ]
+
+    @staticmethod
+    def page_of(block_key: bytes) -> bytes:
+        return block_key[:-RUN_NUMBER_BYTES]
+
+
+def flat_order(runs: PageRuns) -> torch.Tensor | None:
+    """Which run each run-sized piece of a flat page is (`get_data_page`'s order), as a tensor of
+    run numbers; None where the flat order is the run order. Learned from the pool's own view of
+    its first page (`get_data_page(0, flat=False)`), not from our reading of its layouts; a pool
+    whose flat pages are not made of whole runs raises `ConfigError`."""
+    pool = runs.pool
+    try:
+        page = pool.get_data_page(0, flat=False)
+    except (NotImplementedError, ValueError) as exc:
+        raise ConfigError(
+            f"kvtier SGLang backend: host pool {type(pool).__name__} has no flat pages ({exc})"
+        ) from exc
+    itemsize = page.element_size() if isinstance(page, torch.Tensor) else 0
+    if (
+        not isinstance(page, torch.Tensor)
+        or page.untyped_storage().data_ptr() != runs.base
+        or page.numel() * itemsize != runs.page_nbytes
+    ):
+        raise ConfigError(
+            f"kvtier SGLang backend: host pool {type(pool).__name__}'s flat pages are not views of its "
+            'buffer; the generic path cannot serve it (set "interface_v1": 1)'
+        )
+    # Byte offset of each element of the flat page, in flat order.
+    offsets = torch.tensor(page.storage_offset() * itemsize, dtype=torch.int64)
+    for size, stride in zip(page.shape, page.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (stride * itemsize)
+    pieces = offsets.reshape(runs.runs, -1)
+    starts = pieces[:, 0]
+    within = torch.arange(pieces.shape[1], dtype=torch.int64) * itemsize
+    if not bool((pieces - starts.unsqueeze(-1) == within).all()):  # each piece one run, in order
+        raise ConfigError(
+            f"kvtier SGLang backend: host pool {type(pool).__name__}'s flat pages interleave its runs; "
+            'the generic path cannot serve it (set "interface_v1": 1)'
+        )
+    ptrs, _ = pool.get_page_buffer_meta(torch.arange(runs.page_size, dtype=torch.int64))
+    run_of = {int(ptr) - runs.base: number for number, ptr in enumerate(ptrs)}
+    order = [run_of.get(int(start), -1) for start in starts]
+    if sorted(order) != list(range(runs.runs)):
+        raise ConfigError(
+            f"kvtier SGLang backend: host pool {type(pool).__name__}'s flat pages do not hold its runs; "
+            'the generic path cannot serve it (set "interface_v1": 1)'
+        )
+    return None if order == list(range(runs.runs)) else torch.tensor(order, dtype=torch.int64)
+
+
+class PageSlots:
+    """Page slots in memory of our own, each one page's runs in order (then zero padding), leased
+    to one batch at a time: the primary memory of a tier that pages are copied in and out of."""
+
+    def __init__(self, runs: PageRuns, layout: BlockLayout, budget_bytes: int) -> None:
+        self.runs, self.run_nbytes, self.page_nbytes = runs.runs, runs.run_nbytes, runs.page_nbytes
+        self.layout = layout
+        self.stride = layout.blocks_per_page * layout.block_nbytes
+        self.slots = max(2, min(MAX_SLOTS, budget_bytes // self.stride))
+        #: Pages per lease: two batches can move at once (SGLang's prefetch and backup threads).
+        self.chunk = self.slots // 2
+        self.memory = reserve_host_memory(self.slots * self.stride)
+        self.tensor = torch.frombuffer(self.memory, dtype=torch.uint8).view(self.slots, self.stride)
+        self.tensor.zero_()  # faulted in now, not during the first batches' copies
+        self.view = memoryview(self.memory)
+        self._free = list(range(self.slots))
+        self._changed = threading.Condition()
+
+    def page(self, slot: int) -> torch.Tensor:
+        """Slot `slot`'s page, as (runs, run_nbytes) bytes."""
+        return self.tensor[slot, : self.page_nbytes].view(self.runs, self.run_nbytes)
+
+    def block_ids(self, slots: Sequence[int]) -> list[int]:
+        per_page = self.layout.blocks_per_page
+        return [slot * per_page + block for slot in slots for block in range(per_page)]
+
+    @contextmanager
+    def lease(self, pages: int) -> Iterator[list[int]]:
+        """`pages` slots (at most `chunk`) for the caller's thread until it leaves the block."""
+        if not 0 < pages <= self.chunk:
+            raise InvalidArgumentError(f"a lease is 1 to {self.chunk} page slots, not {pages}")
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._free) >= pages)
+            leased, self._free = self._free[:pages], self._free[pages:]
+        try:
+            yield leased
+        finally:
+            with self._changed:
+                self._free += leased
+                self._changed.notify_all()
