@@ -93,6 +93,10 @@ class TieredKVCache(AsyncResource):
             self.copy_engine.close()
             raise
         self.counters: Counter[str] = Counter()
+        #: Per tier ("primary", then each secondary tier's name): leading blocks a `lookup` found
+        #: there, and blocks a load or prefetch took from there. A deployment's hit rate per tier.
+        self.found_blocks: Counter[str] = Counter()
+        self.loaded_from: Counter[str] = Counter()
         # The primary tier calls into the pipelines' `Releases`, not into the cache: a callback
         # into the cache would be a reference cycle, freed by the cycle collector (on whatever
         # thread, often the event loop's) instead of when its owner drops it.
@@ -101,7 +105,9 @@ class TieredKVCache(AsyncResource):
         self._stores = StorePipeline(
             spec, self.primary, self.copy_engine, self.tiers, releases, self.counters
         )
-        self._loads = LoadPipeline(spec, self.primary, self.copy_engine, self.tiers, releases, self.counters)
+        self._loads = LoadPipeline(
+            spec, self.primary, self.copy_engine, self.tiers, releases, self.counters, self.loaded_from
+        )
         self._opening = OpenOnce()
         self._calls = CallsInFlight()  # store, load and prefetch; `aclose` waits for them
         self._closed = False
@@ -173,14 +179,22 @@ class TieredKVCache(AsyncResource):
         check_keys(keys)
         self._check_open()
         keys = list(keys)
+        self.counters["lookup_calls"] += 1
+        self.counters["lookup_blocks"] += len(keys)
         n = 0
         while n < len(keys) and self.primary.lookup(keys[n]) is not None:
             n += 1
+        self.found_blocks["primary"] += n
         if n == len(keys) or not self.tiers:
             return n
         sources = await self._loads.locate(keys[n:])
         for i, key in enumerate(keys[n:]):
-            if sources[i] is None and self.primary.lookup(key) is None:
+            source = sources[i]
+            if self.primary.lookup(key) is not None:  # there already, or promoted meanwhile
+                self.found_blocks["primary"] += 1
+            elif source is not None:
+                self.found_blocks[self.tiers[source].name] += 1
+            else:
                 return n + i
         return len(keys)
 
@@ -225,11 +239,15 @@ class TieredKVCache(AsyncResource):
 
     # -- the rest ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """A plain dict: primary-tier gauges, call and block counters, the copy engine's
+        """A plain dict: primary-tier gauges, call and block counters, per tier the leading
+        blocks lookups found there (`found_blocks`) and the blocks loads took from there
+        (`loaded_from`, "primary" first, then each secondary tier by name), the copy engine's
         (`copies`), limits, the scheduler's lanes (`<tier>/load`, `<tier>/store`,
         `bytes_in_flight`) and per-tier stats."""
         out: dict[str, Any] = dict(self.primary.stats())
         for name in (
+            "lookup_calls",
+            "lookup_blocks",
             "store_calls",
             "stored_blocks",
             "store_rejected_blocks",
@@ -244,6 +262,12 @@ class TieredKVCache(AsyncResource):
             "cascade_errors",
         ):
             out[name] = self.counters[name]
+        out["found_blocks"] = {"primary": self.found_blocks["primary"]} | {
+            tier.name: self.found_blocks[tier.name] for tier in self.tiers
+        }
+        out["loaded_from"] = {"primary": self.loaded_from["primary"]} | {
+            tier.name: self.loaded_from[tier.name] for tier in self.tiers
+        }
         out["background_stores"] = len(self._stores.background)
         out["copies"] = self.copy_engine.stats()  # staging memory, chunks, memory copies
         out["limits"] = asdict(self.limits)

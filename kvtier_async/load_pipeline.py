@@ -83,6 +83,7 @@ class LoadPipeline:
         tiers: list[SecondaryTierManager],
         releases: Releases,
         counters: Counter[str],
+        loaded_from: Counter[str],
     ) -> None:
         self.spec = spec
         self.limits = spec.limits
@@ -91,6 +92,7 @@ class LoadPipeline:
         self.tiers = tiers
         self.releases = releases
         self.counters = counters
+        self.loaded_from = loaded_from  # blocks staged, per tier they came from ("primary" too)
 
     async def locate(self, keys: list[bytes]) -> list[int | None]:
         """The index of the first tier holding each key, None if no tier does."""
@@ -309,8 +311,11 @@ class LoadPipeline:
                     elif j < cut:
                         cut, staged.then = j, _Then.STOP  # present, but the read failed
                 promoted = sum(1 for j in ok if ok[j] and j < cut)
+                for t, js in by_tier.items():
+                    self.loaded_from[self.tiers[t].name] += sum(1 for j in js if ok.get(j) and j < cut)
             staged.cut = cut
             self.counters["primary_hit_blocks"] += cut - promoted
+            self.loaded_from["primary"] += cut - promoted
             self.counters["promoted_blocks"] += promoted
             return staged
         except BaseException:

@@ -17,8 +17,11 @@ stored / failed / dropped / deduplicated blocks, stored and loaded bytes, load
 hits and misses, errors, calls skipped while the fault breaker was open, and where the tier
 has them corrupt blocks and evictions; `kvtier_tier_operation_seconds` (label `op`: store / load);
 `kvtier_lane_inflight` and `kvtier_lane_queued` (label `lane`). Per cache
-(label `namespace`): `kvtier_cache_<counter>_total` and the primary tier's
-used / pinned / capacity blocks as gauges.
+(label `namespace`): `kvtier_cache_<counter>_total` (lookups and blocks looked up among
+them), the primary tier's used / pinned / capacity blocks as gauges, and per tier (label
+`tier`: "primary" or a secondary tier's name) `kvtier_cache_found_blocks_total` (leading
+blocks lookups found there) and `kvtier_cache_loaded_from_total` (blocks loads took from
+there): the hit rate of each tier.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ TIER_COUNTERS = (
     "writes_refused",
 )
 CACHE_COUNTERS = (
+    "lookup_calls",
+    "lookup_blocks",
     "store_calls",
     "stored_blocks",
     "store_rejected_blocks",
@@ -113,6 +118,14 @@ class KVTierCollector(Collector):
             name: CounterMetricFamily(f"kvtier_cache_{name}", f"Cache counter {name}", labels=["namespace"])
             for name in CACHE_COUNTERS
         }
+        # Per tier of a cache ("primary" and each secondary tier): where hits come from.
+        per_tier = {
+            name: CounterMetricFamily(f"kvtier_cache_{name}", help_text, labels=["namespace", "tier"])
+            for name, help_text in (
+                ("found_blocks", "Leading blocks lookups found in each tier"),
+                ("loaded_from", "Blocks loads and prefetches took from each tier"),
+            )
+        }
         cache_gauges = {
             name: GaugeMetricFamily(f"kvtier_cache_{name}", f"Cache gauge {name}", labels=["namespace"])
             for name in CACHE_GAUGES
@@ -126,6 +139,9 @@ class KVTierCollector(Collector):
                 cache_counters[name].add_metric([namespace], stats[name])
             for name in CACHE_GAUGES:
                 cache_gauges[name].add_metric([namespace], stats[name])
+            for name, family in per_tier.items():
+                for tier_name, value in stats[name].items():
+                    family.add_metric([namespace, tier_name], value)
             lanes.update(stats["scheduler"])
             tiers.extend(cache.tiers)
         for tier in tiers:
@@ -146,6 +162,7 @@ class KVTierCollector(Collector):
         yield inflight
         yield queued
         yield from cache_counters.values()
+        yield from per_tier.values()
         yield from cache_gauges.values()
 
 

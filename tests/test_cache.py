@@ -142,6 +142,28 @@ async def test_lookup_spans_primary_and_tiers() -> None:
 
 
 @pytest.mark.asyncio
+async def test_per_tier_counters_say_where_lookups_found_and_loads_took_each_block() -> None:
+    layers = make_layers(5)
+    tiers = [{"type": "memory", "capacity_bytes": 4 * BLOCK_NBYTES}, {"type": "memory"}]
+    keys = keys_for(12)
+    async with kt.TieredKVCache(make_spec(num_cpu_blocks=8, tiers=tiers), layers) as cache:
+        assert await cache.store(keys, list(range(12))) == 12
+        await cache.flush()
+        # Primary: the newest 8 (blocks 4-11); tier "memory": the newest 4 (8-11); "memory#1": all.
+        assert [cache.primary.lookup(k) is not None for k in keys] == [False] * 4 + [True] * 8
+        assert await cache.lookup(keys + keys_for(1, conversation=7)) == 12
+        stats = cache.stats()
+        assert (stats["lookup_calls"], stats["lookup_blocks"]) == (1, 13)
+        assert stats["found_blocks"] == {"primary": 8, "memory": 0, "memory#1": 4}
+        assert stats["loaded_from"] == {"primary": 0, "memory": 0, "memory#1": 0}
+        assert await cache.load(keys[4:10], list(range(20, 26))) == 6
+        assert await cache.load(keys[:2], list(range(30, 32))) == 2
+        stats = cache.stats()
+        assert stats["loaded_from"] == {"primary": 6, "memory": 0, "memory#1": 2}
+        assert sum(stats["loaded_from"].values()) == stats["loaded_blocks"]
+
+
+@pytest.mark.asyncio
 async def test_prefetch_then_load_hits_primary() -> None:
     layers = make_layers(5)
     keys = keys_for(20)

@@ -44,6 +44,11 @@ async def test_cache_and_tier_metrics_after_known_operations() -> None:
         assert value("kvtier_cache_loaded_blocks_total", namespace="metrics") == 4
         assert value("kvtier_cache_primary_hit_blocks_total", namespace="metrics") == 4
         assert value("kvtier_cache_load_calls_total", namespace="metrics") == 2
+        assert value("kvtier_cache_loaded_from_total", namespace="metrics", tier="primary") == 4
+        assert value("kvtier_cache_loaded_from_total", namespace="metrics", tier="memory") == 0
+        assert await cache.lookup(keys) == 8
+        assert value("kvtier_cache_lookup_calls_total", namespace="metrics") == 1
+        assert value("kvtier_cache_found_blocks_total", namespace="metrics", tier="primary") == 8
         assert value("kvtier_cache_primary_pinned_blocks", namespace="metrics") == 0
         assert value("kvtier_cache_primary_capacity_blocks", namespace="metrics") == 8
         assert value("kvtier_lane_inflight", lane="memory/store") == 0
