@@ -12,7 +12,9 @@ from typing import Any, TypeVar
 
 from .demo import DemoConfig, format_report, run_demo
 from .errors import KVTierError
+from .replay import MODEL_GEOMETRIES
 from .secret import new_secret
+from .trace import TOKENS_PER_BLOCK
 
 T = TypeVar("T")
 
@@ -112,6 +114,63 @@ def _parser() -> argparse.ArgumentParser:
         help="skip the 'with a secret' column (fs, redis and s3 tiers measured sealed as well)",
     )
     bench.add_argument("--no-progress", action="store_true")
+    replay = commands.add_parser(
+        "replay",
+        help="replay a request trace (Mooncake's format) through the tiers: hit rates per tier",
+        description="Each request looks up its block chain, loads the hit prefix and stores the blocks "
+        "it computed, against real tiers; every loaded byte is checked. Reports prefix hit rates per "
+        "tier and for the whole cache next to an unbounded cache's, bytes written and read, evictions, "
+        "load latency and late arrivals. Ctrl-C stops early and still reports. Exits 1 on any wrong byte.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    replay.add_argument(
+        "trace", type=Path, help="JSONL: timestamp (ms), input_length, output_length, hash_ids"
+    )
+    replay.add_argument(
+        "--tiers",
+        type=_tiers,
+        default=None,
+        help="secondary tier configs, JSON text or a JSON file "
+        "(default: a file-system tier in a temporary directory)",
+    )
+    replay.add_argument("--primary-gib", type=float, default=1.0, help="primary (host) tier size")
+    size = replay.add_mutually_exclusive_group()
+    size.add_argument(
+        "--block-bytes", type=_size, default=None, help="bytes per 512-token block (default 256K)"
+    )
+    size.add_argument(
+        "--model-geometry",
+        choices=sorted(MODEL_GEOMETRIES),
+        default=None,
+        help="block bytes of this model's KV for 512 tokens",
+    )
+    replay.add_argument(
+        "--speed", type=_speed, default=None, help="X times the trace's real time, or max (default: max)"
+    )
+    replay.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
+    replay.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    replay.add_argument(
+        "--settle",
+        action="store_true",
+        help="each request waits for its writes to reach every tier (as an engine's decode time lets "
+        "them): at --concurrency 1 the replay then follows the sweep step for step",
+    )
+    replay.add_argument("--dir", type=Path, default=None, help="where the default fs tier's directory goes")
+    replay.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    replay.add_argument(
+        "--plot", type=Path, default=None, help="save the hit rate over time (PNG; needs matplotlib)"
+    )
+    replay.add_argument(
+        "--sweep",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="SIZES",
+        help="no I/O: the hit rate and bytes written at each fs-tier capacity, through the primary and "
+        "fs tiers' own eviction code; SIZES e.g. 1G,4G,16G (default: 1%% to 100%% of the trace's "
+        "distinct blocks)",
+    )
+    replay.add_argument("--no-progress", action="store_true")
     secret = commands.add_parser("secret", help="tier secrets (see the security page)")
     secret_commands = secret.add_subparsers(dest="secret_command", required=True)
     secret_commands.add_parser(
@@ -144,6 +203,79 @@ def _size(text: str) -> int:
     if number < 0:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}")
     return int(number * units[unit])
+
+
+def _speed(text: str) -> float | None:
+    if text.strip().lower() == "max":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a speed (a number > 0, or max): {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a speed (a number > 0, or max): {text!r}")
+    return value
+
+
+def _replay_command(args: argparse.Namespace) -> int:
+    from .replay import ReplayConfig, format_replay, run_replay, save_replay_plot
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvtier replay: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+    if args.model_geometry is not None:
+        block_bytes = MODEL_GEOMETRIES[args.model_geometry] * TOKENS_PER_BLOCK
+    else:
+        block_bytes = args.block_bytes if args.block_bytes is not None else 256 << 10
+    if args.sweep is not None:
+        return _sweep_command(args, block_bytes)
+    config = ReplayConfig(
+        trace=args.trace,
+        secondary_tiers=args.tiers,
+        primary_bytes=int(args.primary_gib * (1 << 30)),
+        block_bytes=block_bytes,
+        speed=args.speed,
+        concurrency=args.concurrency,
+        limit=args.limit,
+        directory=args.dir,
+        progress=not args.no_progress,
+        settle=args.settle,
+    )
+    try:
+        report = _run(run_replay(config))
+    except (KVTierError, ValueError, OSError) as exc:
+        print(f"kvtier replay: {exc}", file=sys.stderr)
+        return 2
+    print(format_replay(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    if args.plot is not None:
+        save_replay_plot(report, args.plot)
+    return 0 if report["wrong_bytes"] == 0 else 1
+
+
+def _sweep_command(args: argparse.Namespace, block_bytes: int) -> int:
+    from .sweep import format_sweep, save_sweep_plot, sweep_report
+    from .trace import read_trace
+
+    try:
+        capacities = [_size(part) for part in args.sweep.split(",")] if args.sweep.strip() else None
+        if capacities is not None and not all(capacities):
+            raise argparse.ArgumentTypeError("capacities must be > 0")
+        requests = read_trace(args.trace, args.limit)
+        report = sweep_report(requests, block_bytes, int(args.primary_gib * (1 << 30)), capacities)
+    except (KVTierError, ValueError, OSError, argparse.ArgumentTypeError) as exc:
+        print(f"kvtier replay --sweep: {exc}", file=sys.stderr)
+        return 2
+    print(format_sweep(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    if args.plot is not None:
+        save_sweep_plot(report, args.plot)
+    return 0
 
 
 def _fs_command(args: argparse.Namespace) -> int:
@@ -253,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if report.mismatches == 0 else 1
     if args.command == "bench":
         return _bench_command(args)
+    if args.command == "replay":
+        return _replay_command(args)
     if args.command == "secret":  # the one subcommand: new
         print(new_secret())
         return 0

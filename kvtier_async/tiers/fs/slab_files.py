@@ -47,6 +47,16 @@ SLAB_TARGET_BYTES = 256 << 20  # records per slab file, at most
 MIN_SLABS = 16  # a namespace has at least this many slabs (if it holds that many records)
 
 
+def slab_geometry(record_bytes: int, capacity_bytes: int) -> tuple[int, int]:
+    """(records per slab, slabs at most) of a namespace of `capacity_bytes` (the trace sweep
+    sizes its model of the tier with this too)."""
+    # Room for each record and, at worst, four log entries about it before compaction.
+    max_records = max(1, capacity_bytes // (record_bytes + 4 * ENTRY))
+    # At least MIN_SLABS slabs where the capacity allows: each writing process needs one.
+    slab_records = max(1, min(max_records // MIN_SLABS, SLAB_TARGET_BYTES // record_bytes))
+    return slab_records, max(1, max_records // slab_records)
+
+
 def close_fd(fd: int | None) -> None:
     """Close a descriptor the index let go of (None: it let go of none)."""
     if fd is not None:
@@ -135,11 +145,7 @@ class SlabFiles:
             usage = shutil.disk_usage(self.directory)
             capacity_bytes = min(DEFAULT_CAPACITY_BYTES, int(0.8 * (usage.free + existing)))
         self.capacity_bytes = capacity_bytes
-        # Room for each record and, at worst, four log entries about it before compaction.
-        max_records = max(1, capacity_bytes // (self.record_bytes + 4 * ENTRY))
-        # At least MIN_SLABS slabs where the capacity allows: each writing process needs one.
-        self.slab_records = max(1, min(max_records // MIN_SLABS, SLAB_TARGET_BYTES // self.record_bytes))
-        self.max_slabs = max(1, max_records // self.slab_records)
+        self.slab_records, self.max_slabs = slab_geometry(self.record_bytes, capacity_bytes)
 
     @property
     def data_flags(self) -> int:

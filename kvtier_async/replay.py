@@ -1,0 +1,515 @@
+"""`kvtier replay`: a request trace through a real tiered cache, and what each tier gave it.
+
+Each request does what an engine does for a prompt: `lookup` of its block chain, `load` of
+the hit prefix into (stand-in) device blocks, then `store` of the blocks it had to compute.
+Requests arrive at the trace's times compressed by `speed` (X times real time), or, with no
+speed, in trace order as fast as `concurrency` requests in flight allow, all on one event
+loop, against the configured tiers (a file-system tier in a temporary directory unless
+given). A block's bytes are derived from its hash id, so every load is checked byte-exact.
+
+The report: prefix hit rate in blocks and tokens for the whole cache and per tier (where the
+loaded blocks came from), the hit rate an unbounded cache would get on the same requests,
+bytes written and read and evictions per tier, load latency, requests that started after
+their arrival slot, and the event loop's lag.
+
+Device memory is bounded (`DEVICE_BUDGET_BYTES`): a request whose chain is longer than its
+share moves it in windows, as an engine moves a long prompt in chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .cache import TieredKVCache
+from .errors import InvalidArgumentError
+from .latency import BUCKETS_S
+from .measure import LoopLag, percentile
+from .spec import OffloadingSpec
+from .sweep import block_key, simulate, unbounded_hits
+from .trace import TOKENS_PER_BLOCK, Request, read_trace
+
+__all__ = [
+    "MODEL_GEOMETRIES",
+    "ReplayConfig",
+    "format_replay",
+    "run_replay",
+    "save_replay_plot",
+    "unbounded_hits",
+]
+
+#: KV bytes per token of some common models (bf16; K and V of every layer), for `--model-geometry`.
+MODEL_GEOMETRIES: dict[str, int] = {
+    "llama-3.1-8b": 32 * 8 * 128 * 2 * 2,  # 32 layers, 8 KV heads of 128
+    "qwen2.5-7b": 28 * 4 * 128 * 2 * 2,  # 28 layers, 4 KV heads of 128
+    "llama-3.1-70b": 80 * 8 * 128 * 2 * 2,  # 80 layers, 8 KV heads of 128
+    "deepseek-v3": 61 * (512 + 64) * 2,  # MLA: one latent of 512 + 64 per layer
+}
+#: Stand-in device memory for all requests in flight together.
+DEVICE_BUDGET_BYTES = 2 << 30
+#: Random bytes that block payloads are cut from (a block's id picks its offset).
+PAYLOAD_POOL_BYTES = 64 << 20
+#: A request that starts later than this after its arrival slot is counted late.
+LATE_S = 0.1
+
+
+@dataclass
+class ReplayConfig:
+    trace: Path
+    #: Secondary tier configs; None: a file-system tier in a temporary directory.
+    secondary_tiers: list[dict[str, Any]] | None = None
+    primary_bytes: int = 1 << 30
+    block_bytes: int = 256 << 10
+    #: X times real time; None: as fast as `concurrency` allows, in trace order.
+    speed: float | None = None
+    concurrency: int = 16
+    limit: int | None = None
+    directory: Path | None = None
+    progress: bool = True
+    #: Wait for each request's writes to reach every tier before it counts as done (as the time an
+    #: engine spends decoding would let them): at concurrency 1 the replay then takes exactly the
+    #: sweep's steps, in the sweep's order.
+    settle: bool = False
+    #: Set from another thread or a signal handler to stop early (the report still comes).
+    stop: asyncio.Event | None = None
+
+    def check(self) -> None:
+        if (
+            isinstance(self.block_bytes, bool)
+            or not isinstance(self.block_bytes, int)
+            or self.block_bytes < 4096
+        ):
+            raise InvalidArgumentError(f"block bytes must be an int >= 4096, got {self.block_bytes!r}")
+        if self.block_bytes % 4096:
+            raise InvalidArgumentError(f"block bytes must be a multiple of 4096, got {self.block_bytes}")
+        if self.primary_bytes < self.block_bytes:
+            raise InvalidArgumentError("the primary tier must hold at least one block")
+        if (
+            isinstance(self.concurrency, bool)
+            or not isinstance(self.concurrency, int)
+            or self.concurrency < 1
+        ):
+            raise InvalidArgumentError(f"concurrency must be an int >= 1, got {self.concurrency!r}")
+        if self.speed is not None and not (
+            isinstance(self.speed, (int, float)) and 0 < self.speed < float("inf")
+        ):
+            raise InvalidArgumentError(
+                f"speed must be a number > 0 (or None: as fast as possible), got {self.speed!r}"
+            )
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+            raise InvalidArgumentError(f"limit must be an int >= 1, got {self.limit!r}")
+
+
+class _Payloads:
+    """Deterministic, incompressible block bytes per hash id: a slice of a random pool at an
+    offset the id picks, the id itself in the first 8 bytes (so no two ids share bytes)."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        size = max(PAYLOAD_POOL_BYTES, 2 * block_bytes)
+        generator = torch.Generator().manual_seed(20251)
+        self.pool = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        self._offsets = (size - block_bytes) // 8
+
+    def _slice(self, hash_id: int) -> torch.Tensor:
+        start = (hash_id * 0x9E3779B97F4A7C15 % (1 << 64)) % self._offsets * 8
+        return self.pool[start : start + self.block_bytes]
+
+    def fill(self, block: torch.Tensor, hash_id: int) -> None:
+        block.copy_(self._slice(hash_id))
+        block[:8].copy_(torch.frombuffer(bytearray(hash_id.to_bytes(8, "little")), dtype=torch.uint8))
+
+    def matches(self, block: torch.Tensor, hash_id: int) -> bool:
+        head = bytes(block[:8].numpy()) == hash_id.to_bytes(8, "little")
+        return head and torch.equal(block[8:], self._slice(hash_id)[8:])
+
+
+@dataclass
+class _Tally:
+    requests: int = 0
+    blocks: int = 0
+    tokens: int = 0
+    found_blocks: int = 0  # leading blocks the lookups found
+    hit_blocks: int = 0  # leading blocks loaded byte-exact
+    hit_tokens: int = 0
+    wrong_bytes: int = 0  # loads that were not byte-exact
+    load_seconds: list[float] = field(default_factory=list)
+    late_seconds: list[float] = field(default_factory=list)
+    #: Per request, in completion order: (seconds into the run, blocks, hit blocks).
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+
+
+async def run_replay(config: ReplayConfig) -> dict[str, Any]:
+    """Replay the trace; the report as a plain dict (`format_replay` prints it). The trace is
+    read and checked, and the config too, before any tier is opened."""
+    config.check()
+    requests = await asyncio.to_thread(read_trace, config.trace, config.limit)
+    if config.secondary_tiers is not None:
+        return await _replay(config, requests, config.secondary_tiers)
+    root = await asyncio.to_thread(tempfile.mkdtemp, prefix="kvtier-replay-", dir=config.directory)
+    try:
+        return await _replay(config, requests, [{"type": "fs", "root": root}])
+    finally:
+        await asyncio.to_thread(shutil.rmtree, root, True)
+
+
+async def _replay(
+    config: ReplayConfig, requests: list[Request], tiers: list[dict[str, Any]]
+) -> dict[str, Any]:
+    block_bytes = config.block_bytes
+    longest = max(len(r.hash_ids) for r in requests)
+    window = max(1, min(longest, DEVICE_BUDGET_BYTES // (config.concurrency * block_bytes)))
+    spec = OffloadingSpec(
+        block_nbytes=block_bytes,
+        num_cpu_blocks=config.primary_bytes // block_bytes,
+        block_size=TOKENS_PER_BLOCK,
+        secondary_tiers=tiers,
+        namespace=f"replay-{block_bytes}",
+    )
+    # Zeroing up to DEVICE_BUDGET_BYTES takes a while: not on the loop.
+    device = await asyncio.to_thread(torch.zeros, config.concurrency * window, block_bytes, dtype=torch.uint8)
+    groups: asyncio.Queue[list[int]] = asyncio.Queue()
+    for g in range(config.concurrency):
+        groups.put_nowait(list(range(g * window, (g + 1) * window)))
+    payloads = await asyncio.to_thread(_Payloads, block_bytes)
+    tally = _Tally()
+    stop = config.stop or asyncio.Event()
+    started = time.perf_counter()
+
+    async def replay_one(request: Request, cache: TieredKVCache, due: float | None) -> None:
+        ids = await groups.get()
+        try:
+            if due is not None:
+                tally.late_seconds.append(max(0.0, time.perf_counter() - due))
+            await _request(request, cache, ids)
+        finally:
+            groups.put_nowait(ids)
+
+    async def _request(request: Request, cache: TieredKVCache, ids: list[int]) -> None:
+        chain = request.hash_ids
+        keys = [block_key(h) for h in chain]
+        found = await cache.lookup(keys)
+        loaded = 0
+        while loaded < found:
+            part = keys[loaded : min(found, loaded + window)]
+            t = time.perf_counter()
+            got = await cache.load(part, ids[: len(part)])
+            tally.load_seconds.append(time.perf_counter() - t)
+            wrong = await asyncio.to_thread(_check, device, ids[:got], chain[loaded : loaded + got], payloads)
+            tally.wrong_bytes += wrong
+            loaded += got
+            if got < len(part) or wrong:
+                break
+        for start in range(loaded, len(chain), window):
+            part_ids = chain[start : start + window]
+            await asyncio.to_thread(_fill, device, ids[: len(part_ids)], part_ids, payloads)
+            await cache.store(keys[start : start + window], ids[: len(part_ids)])
+        if config.settle:
+            await cache.flush()
+        tally.requests += 1
+        tally.blocks += len(chain)
+        tally.tokens += request.input_length
+        tally.found_blocks += found
+        tally.hit_blocks += loaded
+        tally.hit_tokens += sum(request.block_tokens(b) for b in range(loaded))
+        tally.timeline.append((time.perf_counter() - started, len(chain), loaded))
+
+    first_ms = requests[0].timestamp_ms
+    with (
+        _stop_on_sigint(stop),
+        tqdm(total=len(requests), desc="requests", unit="req", disable=not config.progress) as bar,
+    ):
+        async with TieredKVCache(spec, device) as cache:
+            with LoopLag() as lag:
+                running: set[asyncio.Task[None]] = set()
+                failures: list[BaseException] = []
+
+                def done(task: asyncio.Task[None]) -> None:
+                    running.discard(task)
+                    bar.update(1)
+                    if not running:
+                        bar.refresh()  # nothing in flight: show it now, the next update may be far
+                    if not task.cancelled() and task.exception() is not None:
+                        failures.append(task.exception())  # type: ignore[arg-type]
+                        stop.set()
+
+                for request in requests:
+                    due = None
+                    if config.speed is not None:
+                        due = started + (request.timestamp_ms - first_ms) / 1e3 / config.speed
+                        delay = due - time.perf_counter()
+                        if delay > 0:
+                            with contextlib.suppress(asyncio.TimeoutError):
+                                await asyncio.wait_for(stop.wait(), delay)
+                    else:
+                        while len(running) >= config.concurrency and not stop.is_set():
+                            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    if stop.is_set():
+                        break
+                    task = asyncio.ensure_future(replay_one(request, cache, due))
+                    running.add(task)
+                    task.add_done_callback(done)
+                if running:
+                    await asyncio.wait(running)
+                if failures:
+                    raise failures[0]
+                await cache.flush()
+            stats = cache.stats()
+            tier_latency = {tier.name: tier.latency.get("load") for tier in cache.tiers}
+    seconds = time.perf_counter() - started
+    replayed = requests[: tally.requests]  # started in trace order, and every one finished
+    unbounded = unbounded_hits(replayed)
+    predicted = await asyncio.to_thread(_predict, replayed, config, tiers, stats)
+    return _report(
+        config,
+        requests,
+        tally,
+        stats,
+        tier_latency,
+        lag,
+        seconds,
+        unbounded,
+        predicted,
+        window,
+        stop.is_set(),
+    )
+
+
+def _predict(
+    requests: list[Request], config: ReplayConfig, tiers: list[dict[str, Any]], stats: dict[str, Any]
+) -> dict[str, Any] | None:
+    """What the sweep predicts for these requests at concurrency 1 on the capacities the run had
+    (the primary tier, and an fs tier as the only secondary tier); None for other tiers."""
+    if not tiers:
+        return simulate(requests, config.block_bytes, config.primary_bytes, None)
+    if len(tiers) == 1 and tiers[0].get("type") == "fs":
+        [fs] = stats["tiers"].values()
+        return simulate(requests, config.block_bytes, config.primary_bytes, fs["capacity_bytes"])
+    return None
+
+
+def _fill(
+    device: torch.Tensor, ids: list[int], chain: tuple[int, ...] | list[int], payloads: _Payloads
+) -> None:
+    for block, hash_id in zip(ids, chain):
+        payloads.fill(device[block], hash_id)
+
+
+def _check(
+    device: torch.Tensor, ids: list[int], chain: tuple[int, ...] | list[int], payloads: _Payloads
+) -> int:
+    """How many of the loaded blocks are not the bytes their ids were stored with."""
+    return sum(not payloads.matches(device[block], hash_id) for block, hash_id in zip(ids, chain))
+
+
+@contextlib.contextmanager
+def _stop_on_sigint(stop: asyncio.Event) -> Iterator[None]:
+    """Ctrl-C sets `stop`: no new requests start, those in flight finish, the report comes."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _histogram_percentile(histogram: Any, q: float) -> float | None:
+    """The upper bound (ms) of the bucket holding quantile `q` of a tier's latency histogram."""
+    if histogram is None or not histogram.count:
+        return None
+    rank, total = q * histogram.count, 0
+    for bound, n in zip([*BUCKETS_S, float("inf")], histogram.counts):
+        total += n
+        if total >= rank:
+            return bound * 1e3
+    return float("inf")
+
+
+def _report(
+    config: ReplayConfig,
+    requests: list[Request],
+    tally: _Tally,
+    stats: dict[str, Any],
+    tier_latency: dict[str, Any],
+    lag: LoopLag,
+    seconds: float,
+    unbounded: tuple[int, int],
+    predicted: dict[str, Any] | None,
+    window: int,
+    interrupted: bool,
+) -> dict[str, Any]:
+    blocks = max(1, tally.blocks)
+    tiers: dict[str, Any] = {
+        "primary": {
+            "hit_rate": stats["loaded_from"]["primary"] / blocks,
+            "found_rate": stats["found_blocks"]["primary"] / blocks,
+            "bytes_written": stats["bytes_to_host"],
+            "bytes_read": stats["bytes_to_device"],
+            "evictions": stats.get("primary_evictions", 0),
+            "capacity_bytes": config.primary_bytes,
+            "stores_refused": stats["store_rejected_blocks"],  # no slot free without waiting
+        }
+    }
+    for name, tier in stats["tiers"].items():
+        histogram = tier_latency.get(name)
+        tiers[name] = {
+            "hit_rate": stats["loaded_from"][name] / blocks,
+            "found_rate": stats["found_blocks"][name] / blocks,
+            "bytes_written": tier.get("stored_bytes", 0),
+            "bytes_read": tier.get("loaded_bytes", 0),
+            "evictions": tier.get("evictions", 0),
+            "load_latency_ms": {
+                "p50": _histogram_percentile(histogram, 0.5),
+                "p99": _histogram_percentile(histogram, 0.99),
+                "mean": (histogram.sum_s / histogram.count * 1e3) if histogram and histogram.count else None,
+            },
+            "errors": tier.get("errors", 0),
+            "stores_refused": tier.get("stores_dropped", 0) + tier.get("store_failed_blocks", 0),
+        }
+    late = tally.late_seconds
+    return {
+        "trace": str(config.trace),
+        "requests": tally.requests,
+        "requests_in_trace": len(requests),
+        "interrupted": interrupted,
+        "blocks": tally.blocks,
+        "tokens": tally.tokens,
+        "block_bytes": config.block_bytes,
+        "hit_rate": tally.hit_blocks / blocks,
+        "token_hit_rate": tally.hit_tokens / max(1, tally.tokens),
+        "found_rate": tally.found_blocks / blocks,
+        "unbounded_hit_rate": unbounded[0] / blocks,
+        "unbounded_token_hit_rate": unbounded[1] / max(1, tally.tokens),
+        # The sweep's prediction for the same requests and capacities at concurrency 1: what
+        # the tiers' eviction alone gives. The difference is hits lost to concurrency (a
+        # request looking up blocks another is still computing) or to refused stores.
+        "predicted_hit_rate": None if predicted is None else predicted["hit_rate"],
+        "hits_lost_vs_prediction": None
+        if predicted is None
+        else round(predicted["hit_rate"] * tally.blocks) - tally.hit_blocks,
+        "wrong_bytes": tally.wrong_bytes,
+        "tiers": tiers,
+        "load_latency_ms": {
+            "p50": percentile(tally.load_seconds, 0.5) * 1e3,
+            "p99": percentile(tally.load_seconds, 0.99) * 1e3,
+            "max": max(tally.load_seconds, default=0.0) * 1e3,
+        },
+        "arrivals": None
+        if config.speed is None
+        else {
+            "speed": config.speed,
+            "late_requests": sum(s > LATE_S for s in late),
+            "late_p99_ms": percentile(late, 0.99) * 1e3,
+            "late_max_ms": max(late, default=0.0) * 1e3,
+        },
+        "loop_lag": lag.summary(),
+        "seconds": seconds,
+        "config": {
+            "tiers": [dict(t) for t in (config.secondary_tiers or [{"type": "fs"}])],
+            "primary_bytes": config.primary_bytes,
+            "concurrency": config.concurrency,
+            "speed": config.speed,
+            "settle": config.settle,
+            "device_window_blocks": window,
+        },
+        "timeline": tally.timeline,
+    }
+
+
+def format_replay(report: dict[str, Any]) -> str:
+    """The report as a table."""
+    gib = 1 << 30
+    unbounded = report["unbounded_hit_rate"], report["unbounded_token_hit_rate"]
+    lines = [
+        f"{report['requests']} of {report['requests_in_trace']} requests"
+        + (" (stopped early)" if report["interrupted"] else "")
+        + f", {report['blocks']} blocks of {report['block_bytes'] >> 10} KiB, {report['seconds']:.1f} s",
+        f"prefix hit rate: {report['hit_rate']:.1%} of blocks, {report['token_hit_rate']:.1%} of tokens "
+        f"(an unbounded cache: {unbounded[0]:.1%}, {unbounded[1]:.1%}); "
+        f"lookups found {report['found_rate']:.1%}",
+        (
+            f"predicted at concurrency 1 on these capacities: {report['predicted_hit_rate']:.1%}; "
+            f"blocks lost to concurrency or refused stores: {report['hits_lost_vs_prediction']}"
+            if report["predicted_hit_rate"] is not None
+            else "no prediction: the sweep models the primary tier and one fs tier"
+        ),
+        "stores refused: "
+        + ", ".join(f"{name} {tier['stores_refused']}" for name, tier in report["tiers"].items()),
+        "",
+        f"{'tier':<12} {'hit rate':>9} {'found':>7} {'written GiB':>12} {'read GiB':>9} {'evictions':>10} "
+        f"{'load p50/p99 ms (bucket)':>25}",
+    ]
+    for name, tier in report["tiers"].items():
+        latency = tier.get("load_latency_ms")
+        shown = (
+            f"{latency['p50']:.1f} / {latency['p99']:.1f}" if latency and latency["p50"] is not None else "-"
+        )
+        lines.append(
+            f"{name:<12} {tier['hit_rate']:>9.1%} {tier['found_rate']:>7.1%} "
+            f"{tier['bytes_written'] / gib:>12.2f} {tier['bytes_read'] / gib:>9.2f} {tier['evictions']:>10} "
+            f"{shown:>25}"
+        )
+    load = report["load_latency_ms"]
+    lag = report["loop_lag"]
+    lines += [
+        "",
+        f"load calls: p50 {load['p50']:.2f} ms, p99 {load['p99']:.2f} ms, max {load['max']:.2f} ms; "
+        f"event-loop lag p99 {lag['p99_ms']:.2f} ms, max {lag['max_ms']:.2f} ms",
+    ]
+    if report["arrivals"] is not None:
+        arrivals = report["arrivals"]
+        lines.append(
+            f"arrivals at {arrivals['speed']}x: {arrivals['late_requests']} requests started more than "
+            f"{LATE_S * 1e3:.0f} ms late (p99 {arrivals['late_p99_ms']:.1f} ms, "
+            f"max {arrivals['late_max_ms']:.1f} ms)"
+        )
+    lines.append(
+        f"wrong bytes: {report['wrong_bytes']} loads"
+        + ("" if report["wrong_bytes"] == 0 else "  <-- FAILURE")
+    )
+    return "\n".join(lines)
+
+
+def save_replay_plot(report: dict[str, Any], path: Path) -> None:
+    """The run over time: the cumulative prefix hit rate against the unbounded cache's final one
+    (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times, rates = [], []
+    blocks = hits = 0
+    for seconds, request_blocks, request_hits in report["timeline"]:
+        blocks += request_blocks
+        hits += request_hits
+        times.append(seconds)
+        rates.append(100 * hits / max(1, blocks))
+    figure, axis = plt.subplots(figsize=(8, 4))
+    axis.plot(times, rates, label="prefix hit rate so far")
+    axis.axhline(
+        100 * report["unbounded_hit_rate"], linestyle="--", color="gray", label="unbounded cache (whole run)"
+    )
+    axis.set_xlabel("seconds into the replay")
+    axis.set_ylabel("% of blocks")
+    axis.set_ylim(0, 100)
+    axis.set_title(f"{Path(report['trace']).name}: {report['requests']} requests")
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
