@@ -148,6 +148,11 @@ def lmcache_l2(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def replay(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/replay_trace.py"]
+    return shlex.join(command), run_json(command)
+
+
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
     "fs_steady": fs_steady,
@@ -160,6 +165,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "sglang_backend": sglang_backend,
     "lmcache_l2": lmcache_l2,
     "tier_secret": tier_secret,
+    "replay": replay,
 }
 
 
