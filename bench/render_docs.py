@@ -1,6 +1,6 @@
 """Render docs/performance.md and its plots from the benchmark records in docs/perf/.
 
-    python bench/render_docs.py                 # writes docs/performance.md and docs/img/perf-*.svg
+    python bench/render_docs.py                 # writes docs/performance.md, docs/sizing.md, docs/img/*.svg
     python bench/render_docs.py --out /tmp/x    # the same, elsewhere (the test suite compares)
 
 Nothing on the page is typed by hand: every number comes from a record that
@@ -502,6 +502,181 @@ def sglang_section() -> list[str]:
     return lines
 
 
+def replay_table(replays: list[dict[str, Any]]) -> list[str]:
+    gib = 1 << 30
+    lines = [
+        "| fs capacity | in flight | hit rate: blocks, tokens | the sweep predicted | unbounded "
+        "| from primary / fs | fs written GiB | fs evictions | load p50 / p99 ms | seconds | wrong bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in replays:
+        tiers = r["tiers"]
+        load = r["load_latency_ms"]
+        lines.append(
+            f"| {r['fs_capacity_bytes'] / gib:.2f} GiB ({r['fraction']:.0%} of distinct) | "
+            f"{r['config']['concurrency']} | {r['hit_rate']:.1%}, {r['token_hit_rate']:.1%} | "
+            f"{r['predicted_hit_rate']:.1%} | {r['unbounded_hit_rate']:.1%} | "
+            f"{tiers['primary']['hit_rate']:.1%} / {tiers['fs']['hit_rate']:.1%} | "
+            f"{tiers['fs']['bytes_written'] / gib:.2f} | {tiers['fs']['evictions']} | "
+            f"{load['p50']:.1f} / {load['p99']:.1f} | {r['seconds']:.0f} | {r['wrong_bytes']} |"
+        )
+    return lines
+
+
+def sweep_table(sweep: dict[str, Any]) -> list[str]:
+    gib = 1 << 30
+    lines = [
+        "| fs capacity | of distinct blocks | hit rate: blocks, tokens | from primary / fs "
+        "| fs written GiB | fs evictions |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in sweep["points"]:
+        lines.append(
+            f"| {p['fs_capacity_bytes'] / gib:.2f} GiB | {p['fraction_of_distinct_blocks']:.0%} | "
+            f"{p['hit_rate']:.1%}, {p['token_hit_rate']:.1%} | {p['primary_hit_rate']:.1%} / "
+            f"{p['fs_hit_rate']:.1%} | {p['fs_bytes_written'] / gib:.2f} | {p['fs_evictions']} |"
+        )
+    return lines
+
+
+def replay_section() -> list[str]:
+    record = load("replay")
+    results = record["results"]
+    return [
+        "## Replaying a request trace",
+        "",
+        f"`kvtier replay` on Mooncake's FAST'25 synthetic trace (`{results['trace']}`: "
+        f"{results['sweep']['requests']} requests, {results['sweep']['blocks']} blocks of 512 tokens, "
+        f"{results['sweep']['distinct_blocks']} distinct) at its defaults: 256 KiB blocks, a 1 GiB",
+        "primary tier, an fs tier of the capacity shown, requests as fast as they go with 16 (or 1)",
+        "in flight, every loaded block checked byte for byte. Beside each run, what the sweep",
+        "(`--sweep`: the same steps through the tiers' own eviction code, no I/O) predicts for the",
+        "same capacities at concurrency 1; with 16 in flight the difference is what concurrency",
+        "changed (see [sizing with a trace](sizing.md), which also says how to size tiers with this).",
+        "",
+        provenance(record),
+        "",
+        *replay_table(results["replays"]),
+        "",
+    ]
+
+
+def sizing_page(out: Path) -> str:
+    """docs/sizing.md: how to size tiers with a trace, with the shared trace's sweep and replays."""
+    record = load("replay")
+    results = record["results"]
+    sweep = results["sweep"]
+    gib = 1 << 30
+    points = sweep["points"]
+    figure, rate_axis = plt.subplots(figsize=(7, 3.6))
+    x = [p["fs_capacity_bytes"] / gib for p in points]
+    rate_axis.plot(x, [100 * p["hit_rate"] for p in points], marker="o", label="prefix hit rate")
+    rate_axis.axhline(100 * sweep["unbounded_hit_rate"], linestyle="--", color="0.5", label="unbounded cache")
+    rate_axis.set_xscale("log")
+    rate_axis.set_xlabel("fs tier capacity (GiB), 1 GiB primary tier")
+    rate_axis.set_ylabel("% of blocks")
+    rate_axis.set_ylim(0, 100)
+    written = rate_axis.twinx()
+    written.plot(
+        x, [p["fs_bytes_written"] / gib for p in points], marker="s", color="tab:orange", label="fs written"
+    )
+    written.set_ylabel("GiB written to the fs tier")
+    handles = [*rate_axis.get_legend_handles_labels()[0], *written.get_legend_handles_labels()[0]]
+    rate_axis.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize="small")
+    image = save(figure, out, "sizing-sweep.svg", ["replay"])
+    enough = sweep["capacity_for_80_percent_of_unbounded"]
+    primary_share = (sweep["primary_bytes"] // sweep["block_bytes"]) / sweep["distinct_blocks"]
+    enough_share = next(
+        (p["fraction_of_distinct_blocks"] for p in points if p["fs_capacity_bytes"] == enough), 0
+    )
+    lines = [
+        "# Sizing with a trace",
+        "",
+        "Which tiers, and how big? A request trace answers it for your workload. `kvtier replay`",
+        "takes a trace in the format of Mooncake's FAST'25 release (JSON lines: `timestamp` in ms,",
+        "`input_length`, `output_length`, `hash_ids`: one id per 512 prompt tokens, equal ids being",
+        "the same reusable prefix block) and runs it two ways.",
+        "",
+        "- `kvtier replay TRACE --sweep` runs every request through the primary tier's and the fs",
+        "  tier's own eviction code (their slot and index bookkeeping, no bytes moved) at a list of fs",
+        "  capacities, in seconds: the prefix hit rate and the bytes written at each. Give sizes",
+        "  (`--sweep 1G,4G,16G`) or take the default: 1% to 100% of the trace's distinct blocks.",
+        "- `kvtier replay TRACE --tiers '[...]'` replays it through real tiers: each request looks",
+        "  up its block chain, loads the hit prefix (checked byte for byte) and stores the blocks it",
+        "  computed, arriving at the trace's times (`--speed X`: X times real time) or as fast as",
+        "  `--concurrency N` requests in flight allow (the default, 16). It reports the hit rate per",
+        "  tier and for the whole cache in blocks and tokens, the hit rate an unbounded cache would",
+        "  get, the sweep's prediction for the same capacities, bytes written and read, evictions,",
+        "  load latency, late arrivals and the event loop's lag; `--json` and `--plot` save them.",
+        "  Ctrl-C stops it early and it still reports.",
+        "",
+        "Block bytes: `--block-bytes` (default 256K, small enough to replay a whole trace on a",
+        "laptop) or `--model-geometry llama-3.1-8b` (and others: the KV of 512 tokens of that",
+        "model). Hit rates do not depend on the block size; bytes written and read scale with it.",
+        "",
+        "## The shared trace",
+        "",
+        f"Mooncake's synthetic trace: {sweep['requests']} requests, {sweep['blocks']}",
+        f"blocks, {sweep['distinct_blocks']} distinct; an unbounded cache hits",
+        f"{sweep['unbounded_hit_rate']:.1%} of the blocks. The sweep, with a 1 GiB primary tier and",
+        "256 KiB blocks:",
+        "",
+        *sweep_table(sweep),
+        "",
+        image,
+        "",
+        "Reading it: the primary tier alone (1 GiB, "
+        f"{primary_share:.0%} of the distinct blocks) "
+        f"gives the first {points[0]['primary_hit_rate']:.0%};",
+        "an fs tier smaller than it adds nothing, as it holds only what the primary tier",
+        "holds too; from there the hit rate climbs with the fs tier's capacity while the bytes",
+        "written fall (fewer blocks are computed and stored again). 80% of the unbounded hit rate",
+        "takes "
+        + (
+            f"{enough / gib:.2f} GiB of fs tier here, {enough_share:.0%} of the trace's distinct blocks."
+            if enough is not None
+            else "more than the largest size swept here."
+        ),
+        "",
+        "The replay through a real fs tier at two of those capacities, with 16 requests in flight and",
+        "with one:",
+        "",
+        *replay_table(results["replays"]),
+        "",
+        provenance(record),
+        "",
+        "At one request in flight the replay measures what the sweep predicted (the order in which",
+        "the fs tier's concurrent I/O batches finish moves its LRU a little; `--settle` makes each",
+        "request wait for its writes, as an engine's decode time would). With 16 in flight the",
+        "report states what concurrency changed as hit blocks against the prediction: fewer where",
+        "requests look up blocks an earlier request is still computing, more where a small fs tier",
+        "is churned less (blocks that concurrent requests compute at once are written once: see the",
+        "fs written column).",
+        "",
+        "## The same numbers from a running deployment",
+        "",
+        "`TieredKVCache.stats()` counts `lookup_calls` and `lookup_blocks`, and per tier",
+        '("primary", then each secondary tier by name) `found_blocks` (leading blocks lookups found',
+        "there) and `loaded_from` (blocks loads took from there); Prometheus exports them as",
+        "`kvtier_cache_lookup_blocks_total`, `kvtier_cache_found_blocks_total{tier=...}` and",
+        "`kvtier_cache_loaded_from_total{tier=...}`. The hit rate of a tier is its `loaded_from`",
+        "over `lookup_blocks`, as in the replay's report.",
+        "",
+        "## Limits",
+        "",
+        "- The sweep models the primary tier and one fs tier (both LRU, their own code). Replays",
+        "  through Redis, S3 or several tiers run, and report everything but the prediction.",
+        "- A trace gives prompts, not the engine: the replay computes no tokens, so at full speed",
+        "  requests follow each other faster than an engine's would; `--speed 1` keeps the trace's",
+        "  own arrival times.",
+        "- Hash ids name prefix blocks of 512 tokens: a trace of another block size is replayed as",
+        "  if its blocks were 512 tokens (the token hit rate counts the real length of each",
+        "  request's last block).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def lmcache_l2_section() -> list[str]:
     record = load("lmcache_l2")
     results = record["results"]
@@ -670,6 +845,8 @@ def render(out: Path) -> str:
         lines += sglang_section()
     if (RECORDS / "lmcache_l2.json").exists():
         lines += lmcache_l2_section()
+    if (RECORDS / "replay.json").exists():
+        lines += replay_section()
     lines += aiofiles_section()
     lines += [
         "## The CUDA path",
@@ -723,6 +900,8 @@ def main() -> None:
     out = args.out or REPO / "docs"
     out.mkdir(parents=True, exist_ok=True)
     (out / "performance.md").write_text(render(out))
+    if (RECORDS / "replay.json").exists():
+        (out / "sizing.md").write_text(sizing_page(out))
     if args.out is not None:
         (out / "headline.md").write_text(headline() + "\n")
         return

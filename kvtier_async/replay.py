@@ -178,7 +178,8 @@ async def _replay(
         namespace=f"replay-{block_bytes}",
     )
     # Zeroing up to DEVICE_BUDGET_BYTES takes a while: not on the loop.
-    device = await asyncio.to_thread(torch.zeros, config.concurrency * window, block_bytes, dtype=torch.uint8)
+    shape = (config.concurrency * window, block_bytes)
+    device = await asyncio.to_thread(lambda: torch.zeros(shape, dtype=torch.uint8))
     groups: asyncio.Queue[list[int]] = asyncio.Queue()
     for g in range(config.concurrency):
         groups.put_nowait(list(range(g * window, (g + 1) * window)))
@@ -396,12 +397,14 @@ def _report(
         "unbounded_hit_rate": unbounded[0] / blocks,
         "unbounded_token_hit_rate": unbounded[1] / max(1, tally.tokens),
         # The sweep's prediction for the same requests and capacities at concurrency 1: what
-        # the tiers' eviction alone gives. The difference is hits lost to concurrency (a
-        # request looking up blocks another is still computing) or to refused stores.
+        # the tiers' eviction alone gives. Hit blocks measured minus predicted is what
+        # concurrency (or refused stores) changed: fewer where requests look up blocks another
+        # is still computing, more where blocks computed at once are written once, which
+        # churns a small tier less.
         "predicted_hit_rate": None if predicted is None else predicted["hit_rate"],
-        "hits_lost_vs_prediction": None
+        "hit_blocks_vs_prediction": None
         if predicted is None
-        else round(predicted["hit_rate"] * tally.blocks) - tally.hit_blocks,
+        else tally.hit_blocks - round(predicted["hit_rate"] * tally.blocks),
         "wrong_bytes": tally.wrong_bytes,
         "tiers": tiers,
         "load_latency_ms": {
@@ -444,7 +447,7 @@ def format_replay(report: dict[str, Any]) -> str:
         f"lookups found {report['found_rate']:.1%}",
         (
             f"predicted at concurrency 1 on these capacities: {report['predicted_hit_rate']:.1%}; "
-            f"blocks lost to concurrency or refused stores: {report['hits_lost_vs_prediction']}"
+            f"hit blocks against it: {report['hit_blocks_vs_prediction']:+d}"
             if report["predicted_hit_rate"] is not None
             else "no prediction: the sweep models the primary tier and one fs tier"
         ),

@@ -127,6 +127,22 @@ def test_sglang_backend_bench_runs(tmp_path: Path) -> None:
     assert "raw" not in cases[1] and cases[0]["set_vs_raw"] > 0  # O_DIRECT refuses 1 KiB runs
 
 
+def test_replay_trace_bench_runs(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [  # a shared head, four second blocks, a tail of its own each
+        {"timestamp": 10 * i, "input_length": 3 * 512, "output_length": 1, "hash_ids": [0, i % 4, 99 + i]}
+        for i in range(30)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "replay.json"
+    table = bench("replay_trace.py", "--trace", trace, "--fractions", "0.5", "--dir", tmp_path, "--json", out)
+    assert "80% of the unbounded hit rate" in table
+    record = json.loads(out.read_text())
+    assert [(r["fraction"], r["config"]["concurrency"]) for r in record["replays"]] == [(0.5, 16), (0.5, 1)]
+    assert all(r["wrong_bytes"] == 0 and r["predicted_hit_rate"] is not None for r in record["replays"])
+    assert record["sweep"]["points"] and "timeline" not in record["replays"][0]
+
+
 def test_lmcache_l2_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "lmcache.json"
     table = bench("lmcache_l2.py", "--size-kb", "256", "--rounds", "2", "--dir", tmp_path, "--json", out)
@@ -226,5 +242,5 @@ def test_run_all_describes_the_machine() -> None:
     about = run_all.machine()
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
-    recorders |= {"sglang_backend", "lmcache_l2", "fs_staging", "tier_secret"}
+    recorders |= {"sglang_backend", "lmcache_l2", "fs_staging", "tier_secret", "replay"}
     assert set(run_all.RECORDERS) == recorders
