@@ -100,6 +100,8 @@ def _request(path: Path, number: int, raw: bytes) -> Request:
         isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 63 for h in hash_ids
     ):
         raise TraceError(f"{where}: hash_ids must be a list of ints >= 0")
+    if len(set(hash_ids)) != len(hash_ids):  # a prefix's blocks are all different blocks
+        raise TraceError(f"{where}: hash_ids repeat within the request")
     return Request(
         number, float(timestamp), lengths["input_length"], lengths["output_length"], tuple(hash_ids)
     )

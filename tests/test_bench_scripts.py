@@ -130,7 +130,7 @@ def test_sglang_backend_bench_runs(tmp_path: Path) -> None:
 def test_replay_trace_bench_runs(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     lines = [  # a shared head, four second blocks, a tail of its own each
-        {"timestamp": 10 * i, "input_length": 3 * 512, "output_length": 1, "hash_ids": [0, i % 4, 99 + i]}
+        {"timestamp": 10 * i, "input_length": 3 * 512, "output_length": 1, "hash_ids": [0, 1 + i % 4, 99 + i]}
         for i in range(30)
     ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))

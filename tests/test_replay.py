@@ -83,6 +83,7 @@ def test_the_trace_reader_and_the_unbounded_answer(tmp_path: Path) -> None:
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1.5]}', "hash_ids"),
         ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "timestamp"),
         ("[1, 2]", "JSON object"),
+        ('{"timestamp": 0, "input_length": 900, "output_length": 1, "hash_ids": [4, 4]}', "repeat"),
     ],
 )
 def test_a_malformed_trace_fails_with_its_line_before_anything_runs(
