@@ -153,6 +153,11 @@ def replay(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def eviction_policies(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/eviction_policies.py"]
+    return shlex.join(command), run_json(command)
+
+
 RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
     "fs_steady": fs_steady,
@@ -166,6 +171,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "lmcache_l2": lmcache_l2,
     "tier_secret": tier_secret,
     "replay": replay,
+    "eviction_policies": eviction_policies,
 }
 
 
