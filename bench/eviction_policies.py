@@ -8,7 +8,8 @@ A model, not the tiers' code: the primary tier (LRU, 1% of each trace's distinct
 front of an fs tier whose policy is swapped, each request taking the cache's steps (lookup of
 its chain, load of the found prefix, promoted into the primary tier, store of the rest,
 written through). Its LRU row is checked against `kvtier replay --sweep`, which runs the
-tiers' own code: the model is only trusted where they agree. Capacities: 1% to 40% of each
+tiers' own code: the model is only trusted where they agree (they differ most at small
+capacities, where the fs tier's whole slabs round the capacity down). Capacities: 1% to 40% of each
 trace's distinct blocks. Traces: the shared Mooncake trace and three generated ones (with a
 seed each; none tuned to any policy):
 
@@ -262,13 +263,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--generated", type=int, default=4000, help="requests in each generated trace")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     traces = {
         args.trace.stem: read_trace(args.trace),
-        "conversations": conversations(args.seed),
-        "documents": documents(args.seed),
-        "one-off": one_off(args.seed),
+        "conversations": conversations(args.seed, args.generated),
+        "documents": documents(args.seed, args.generated),
+        "one-off": one_off(args.seed, args.generated),
     }
     results: dict[str, Any] = {"fractions": list(FRACTIONS), "traces": {}}
     for name, requests in traces.items():

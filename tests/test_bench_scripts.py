@@ -143,6 +143,27 @@ def test_replay_trace_bench_runs(tmp_path: Path) -> None:
     assert record["sweep"]["points"] and "timeline" not in record["replays"][0]
 
 
+def test_eviction_policies_bench_runs(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": i, "input_length": 3 * 512, "output_length": 1, "hash_ids": [0, 1 + i % 7, 99 + i]}
+        for i in range(200)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "policies.json"
+    table = bench("eviction_policies.py", "--trace", trace, "--generated", "300", "--json", out)
+    assert "chain-pos" in table
+    traces = json.loads(out.read_text())["traces"]
+    assert set(traces) == {"t", "conversations", "documents", "one-off"}
+    for trace_result in traces.values():
+        rates = trace_result["hit_rates"]
+        assert set(rates) >= {"lru", "arc", "admit-freq", "chain-pos"}
+        # The model's LRU and the tiers' own code (the sweep) agree within 2 points on traces this
+        # small: the fs tier holds whole slabs, so a capacity of a few dozen records rounds down.
+        sweep = rates["lru (the sweep: the tiers' code)"]
+        assert all(abs(a - b) <= 0.02 for a, b in zip(rates["lru"], sweep))
+
+
 def test_lmcache_l2_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "lmcache.json"
     table = bench("lmcache_l2.py", "--size-kb", "256", "--rounds", "2", "--dir", tmp_path, "--json", out)
