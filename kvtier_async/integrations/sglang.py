@@ -181,7 +181,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         try:
             main: KVTier = (
                 self._in_place_tier()
-                if layout.packed is False and self.interface_v1
+                if self.interface_v1 and not layout.packed
                 else self._staged_pages().tier
             )
         except BaseException:
@@ -487,7 +487,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
 
     def close(self) -> None:
         """Close the tier(s) and stop the loop thread; idempotent. SGLang calls it on detach."""
-        with self._lock:
+        with self._opening, self._lock:  # a tier being opened now is closed too
             if self._bridge is None:  # closed already, or never started
                 self._closed = True
                 return
