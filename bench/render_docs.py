@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt
 from common import TIER_AGAINST_BASELINE, median_bounds, round_ratios
 
 from kvtier_async.benchmark import format_table
+from kvtier_async.sweep import sweep_figure
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDS = REPO / "docs" / "perf"
@@ -635,21 +636,7 @@ def sizing_page(out: Path) -> str:
     sweep = results["sweep"]
     gib = 1 << 30
     points = sweep["points"]
-    figure, rate_axis = plt.subplots(figsize=(7, 3.6))
-    x = [p["fs_capacity_bytes"] / gib for p in points]
-    rate_axis.plot(x, [100 * p["hit_rate"] for p in points], marker="o", label="prefix hit rate")
-    rate_axis.axhline(100 * sweep["unbounded_hit_rate"], linestyle="--", color="0.5", label="unbounded cache")
-    rate_axis.set_xscale("log")
-    rate_axis.set_xlabel("fs tier capacity (GiB), 1 GiB primary tier")
-    rate_axis.set_ylabel("% of blocks")
-    rate_axis.set_ylim(0, 100)
-    written = rate_axis.twinx()
-    written.plot(
-        x, [p["fs_bytes_written"] / gib for p in points], marker="s", color="tab:orange", label="fs written"
-    )
-    written.set_ylabel("GiB written to the fs tier")
-    handles = [*rate_axis.get_legend_handles_labels()[0], *written.get_legend_handles_labels()[0]]
-    rate_axis.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize="small")
+    figure = sweep_figure(sweep)
     image = save(figure, out, "sizing-sweep.svg", ["replay"])
     enough = sweep["capacity_for_80_percent_of_unbounded"]
     primary_share = (sweep["primary_bytes"] // sweep["block_bytes"]) / sweep["distinct_blocks"]

@@ -29,6 +29,7 @@ __all__ = [
     "save_sweep_plot",
     "simulate",
     "sweep",
+    "sweep_figure",
     "sweep_report",
     "unbounded_hits",
 ]
@@ -249,8 +250,9 @@ def format_sweep(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save_sweep_plot(report: dict[str, Any], path: Any) -> None:
-    """Hit rate and bytes written against the fs tier's capacity (needs matplotlib)."""
+def sweep_figure(report: dict[str, Any]) -> Any:
+    """Hit rate and bytes written against the fs tier's capacity, as a matplotlib figure (needs
+    matplotlib; the caller saves and closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,13 +261,13 @@ def save_sweep_plot(report: dict[str, Any], path: Any) -> None:
     gib = 1 << 30
     points = report["points"]
     x = [p["fs_capacity_bytes"] / gib for p in points]
-    figure, rate_axis = plt.subplots(figsize=(8, 4))
+    figure, rate_axis = plt.subplots(figsize=(7, 3.6))
     rate_axis.plot(x, [100 * p["hit_rate"] for p in points], marker="o", label="prefix hit rate")
     rate_axis.axhline(
         100 * report["unbounded_hit_rate"], linestyle="--", color="gray", label="unbounded cache"
     )
     rate_axis.set_xscale("log")
-    rate_axis.set_xlabel("fs tier capacity (GiB)")
+    rate_axis.set_xlabel(f"fs tier capacity (GiB), primary tier {report['primary_bytes'] / gib:.2f} GiB")
     rate_axis.set_ylabel("% of blocks")
     rate_axis.set_ylim(0, 100)
     written_axis = rate_axis.twinx()
@@ -275,7 +277,15 @@ def save_sweep_plot(report: dict[str, Any], path: Any) -> None:
     written_axis.set_ylabel("GiB written to the fs tier")
     lines = rate_axis.get_legend_handles_labels()
     more = written_axis.get_legend_handles_labels()
-    rate_axis.legend(lines[0] + more[0], lines[1] + more[1], loc="center right")
+    rate_axis.legend(lines[0] + more[0], lines[1] + more[1], loc="center right", fontsize="small")
+    return figure
+
+
+def save_sweep_plot(report: dict[str, Any], path: Any) -> None:
+    """`sweep_figure` as a PNG at `path`."""
+    import matplotlib.pyplot as plt
+
+    figure = sweep_figure(report)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
