@@ -227,6 +227,15 @@ def test_the_sweep_and_the_replay_command_write_their_reports(
     rates = [p["hit_rate"] for p in report["points"]]
     assert rates == sorted(rates) and rates[-1] <= report["unbounded_hit_rate"] + 1e-9
     assert "80% of the unbounded hit rate" in capsys.readouterr().out
+    geometry = tmp_path / "qwen.json"
+    assert (
+        main(
+            ["replay", str(trace), "--model-geometry", "qwen2.5-7b", "--sweep", "8G", "--json", str(geometry)]
+        )
+        == 0
+    )
+    assert json.loads(geometry.read_text())["block_bytes"] == 28 * 4 * 128 * 2 * 2 * 512  # 28 MiB per block
+    assert main(["replay", str(trace), "--sweep", "1G,nonsense"]) == 2
     assert (
         sweep_report(read_trace(trace), BLOCK, 16 * BLOCK, [1 << 20])["points"][0]["fs_capacity_bytes"]
         == 1 << 20
