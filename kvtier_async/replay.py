@@ -8,7 +8,8 @@ loop, against the configured tiers (a file-system tier in a temporary directory 
 given). A block's bytes are derived from its hash id, so every load is checked byte-exact.
 
 The report: prefix hit rate in blocks and tokens for the whole cache and per tier (where the
-loaded blocks came from), the hit rate an unbounded cache would get on the same requests,
+loaded blocks came from, by the cache's own counters; a block's tokens count for the tier that
+held it when the request looked it up), the hit rate an unbounded cache would get on the same requests,
 bytes written and read and evictions per tier, load latency, requests that started after
 their arrival slot, and the event loop's lag.
 
@@ -24,6 +25,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +145,8 @@ class _Tally:
     found_blocks: int = 0  # leading blocks the lookups found
     hit_blocks: int = 0  # leading blocks loaded byte-exact
     hit_tokens: int = 0
+    #: Hit tokens per tier, each loaded block counted for the tier that held it at the lookup.
+    tier_tokens: Counter[str] = field(default_factory=Counter)
     wrong_bytes: int = 0  # loads that were not byte-exact
     load_seconds: list[float] = field(default_factory=list)
     late_seconds: list[float] = field(default_factory=list)
@@ -201,6 +205,7 @@ async def _replay(
         chain = request.hash_ids
         keys = [block_key(h) for h in chain]
         found = await cache.lookup(keys)
+        sources = await _sources(cache, keys[:found])
         loaded = 0
         while loaded < found:
             part = keys[loaded : min(found, loaded + window)]
@@ -224,6 +229,8 @@ async def _replay(
         tally.found_blocks += found
         tally.hit_blocks += loaded
         tally.hit_tokens += sum(request.block_tokens(b) for b in range(loaded))
+        for b in range(loaded):
+            tally.tier_tokens[sources[b]] += request.block_tokens(b)
         tally.timeline.append((time.perf_counter() - started, len(chain), loaded))
 
     first_ms = requests[0].timestamp_ms
@@ -301,6 +308,21 @@ def _predict(
     return None
 
 
+async def _sources(cache: TieredKVCache, keys: list[bytes]) -> list[str]:
+    """Which tier holds each of `keys` now: "primary", else the first secondary tier holding it
+    (as a load looks). Only to attribute hit tokens to tiers: the blocks per tier come from the
+    cache's own counters."""
+    sources: list[str | None] = ["primary" if cache.primary.lookup(key) is not None else None for key in keys]
+    for tier in cache.tiers:
+        todo = [i for i, source in enumerate(sources) if source is None]
+        if not todo:
+            break
+        for i, held in zip(todo, await tier.lookup_each([keys[i] for i in todo])):
+            if held:
+                sources[i] = tier.name
+    return [source or "primary" for source in sources]  # gone meanwhile: the load will say
+
+
 def _fill(
     device: torch.Tensor, ids: list[int], chain: tuple[int, ...] | list[int], payloads: _Payloads
 ) -> None:
@@ -359,6 +381,7 @@ def _report(
     tiers: dict[str, Any] = {
         "primary": {
             "hit_rate": stats["loaded_from"]["primary"] / blocks,
+            "token_hit_rate": tally.tier_tokens["primary"] / max(1, tally.tokens),
             "found_rate": stats["found_blocks"]["primary"] / blocks,
             "bytes_written": stats["bytes_to_host"],
             "bytes_read": stats["bytes_to_device"],
@@ -371,6 +394,7 @@ def _report(
         histogram = tier_latency.get(name)
         tiers[name] = {
             "hit_rate": stats["loaded_from"][name] / blocks,
+            "token_hit_rate": tally.tier_tokens[name] / max(1, tally.tokens),
             "found_rate": stats["found_blocks"][name] / blocks,
             "bytes_written": tier.get("stored_bytes", 0),
             "bytes_read": tier.get("loaded_bytes", 0),
@@ -455,8 +479,8 @@ def format_replay(report: dict[str, Any]) -> str:
         "stores refused: "
         + ", ".join(f"{name} {tier['stores_refused']}" for name, tier in report["tiers"].items()),
         "",
-        f"{'tier':<12} {'hit rate':>9} {'found':>7} {'written GiB':>12} {'read GiB':>9} {'evictions':>10} "
-        f"{'load p50/p99 ms (bucket)':>25}",
+        f"{'tier':<12} {'hit rate':>9} {'tokens':>7} {'found':>7} {'written GiB':>12} {'read GiB':>9} "
+        f"{'evictions':>10} {'load p50/p99 ms (bucket)':>25}",
     ]
     for name, tier in report["tiers"].items():
         latency = tier.get("load_latency_ms")
@@ -464,7 +488,7 @@ def format_replay(report: dict[str, Any]) -> str:
             f"{latency['p50']:.1f} / {latency['p99']:.1f}" if latency and latency["p50"] is not None else "-"
         )
         lines.append(
-            f"{name:<12} {tier['hit_rate']:>9.1%} {tier['found_rate']:>7.1%} "
+            f"{name:<12} {tier['hit_rate']:>9.1%} {tier['token_hit_rate']:>7.1%} {tier['found_rate']:>7.1%} "
             f"{tier['bytes_written'] / gib:>12.2f} {tier['bytes_read'] / gib:>9.2f} {tier['evictions']:>10} "
             f"{shown:>25}"
         )

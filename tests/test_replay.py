@@ -133,6 +133,8 @@ async def test_a_known_trace_through_a_memory_tier_gets_exactly_the_known_hits(
         assert report["token_hit_rate"] == pytest.approx(5 * 512 / (1124 + 2048 + 1031 + 512))
         tiers = report["tiers"]
         assert tiers["primary"]["hit_rate"] == pytest.approx(5 / 11)  # all of it in the primary tier
+        assert tiers["primary"]["token_hit_rate"] == pytest.approx(report["token_hit_rate"])
+        assert tiers["memory"]["token_hit_rate"] == 0
         assert (
             tiers["memory"]["hit_rate"] == 0 and tiers["memory"]["bytes_written"] == 6 * BLOCK
         )  # ids 1, 2, 3, 4, 5, 9
@@ -166,6 +168,9 @@ async def test_a_known_trace_through_fs_and_a_small_primary_tier_matches_the_swe
     assert report["wrong_bytes"] == 0 and report["hit_rate"] == pytest.approx(6 / 12)
     assert report["tiers"]["fs"]["found_rate"] == pytest.approx(2 / 12)  # the lookup: 4 + 2
     assert tiers["primary"]["hit_rate"] + tiers["fs"]["hit_rate"] == pytest.approx(6 / 12)
+    # Tokens by the tier holding each block at the lookup: 4 in the primary tier, 2 in fs.
+    assert tiers["primary"]["token_hit_rate"] == pytest.approx(4 / 12)
+    assert tiers["fs"]["token_hit_rate"] == pytest.approx(2 / 12)
     assert tiers["primary"]["hit_rate"] == pytest.approx(predicted["primary_hit_rate"])
     assert tiers["fs"]["hit_rate"] == pytest.approx(predicted["fs_hit_rate"])
     assert tiers["primary"]["evictions"] == predicted["primary_evictions"]
