@@ -22,7 +22,8 @@ from typing import Any
 
 from common import run
 
-from kvtier_async.replay import ReplayConfig, format_replay, run_replay
+from kvtier_async.replay import ReplayConfig, run_replay
+from kvtier_async.replay_report import format_replay
 from kvtier_async.sweep import capacity_for_fraction, format_sweep, sweep_report
 from kvtier_async.trace import read_trace
 

@@ -218,7 +218,8 @@ def _speed(text: str) -> float | None:
 
 
 def _replay_command(args: argparse.Namespace) -> int:
-    from .replay import ReplayConfig, format_replay, run_replay, save_replay_plot
+    from .replay import ReplayConfig, run_replay
+    from .replay_report import format_replay, save_replay_plot
 
     if args.plot is not None:
         try:
