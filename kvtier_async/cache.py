@@ -176,27 +176,30 @@ class TieredKVCache(AsyncResource):
     # -- lookup ------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are available in the primary or any secondary tier."""
+        return len(await self.lookup_sources(keys))
+
+    async def lookup_sources(self, keys: Sequence[bytes]) -> list[str]:
+        """`lookup`, telling where each leading available key is: "primary", or the name of the
+        first secondary tier holding it (where a load would take it from, as of now)."""
         check_keys(keys)
         self._check_open()
         keys = list(keys)
         self.counters["lookup_calls"] += 1
         self.counters["lookup_blocks"] += len(keys)
-        n = 0
-        while n < len(keys) and self.primary.lookup(keys[n]) is not None:
-            n += 1
-        self.found_blocks["primary"] += n
-        if n == len(keys) or not self.tiers:
-            return n
-        sources = await self._loads.locate(keys[n:])
-        for i, key in enumerate(keys[n:]):
-            source = sources[i]
-            if self.primary.lookup(key) is not None:  # there already, or promoted meanwhile
-                self.found_blocks["primary"] += 1
-            elif source is not None:
-                self.found_blocks[self.tiers[source].name] += 1
-            else:
-                return n + i
-        return len(keys)
+        found: list[str] = []
+        while len(found) < len(keys) and self.primary.lookup(keys[len(found)]) is not None:
+            found.append("primary")
+        if len(found) < len(keys) and self.tiers:
+            sources = await self._loads.locate(keys[len(found) :])
+            for key, source in zip(keys[len(found) :], sources):
+                if self.primary.lookup(key) is not None:  # there already, or promoted meanwhile
+                    found.append("primary")
+                elif source is not None:
+                    found.append(self.tiers[source].name)
+                else:
+                    break
+        self.found_blocks.update(found)
+        return found
 
     # -- load and prefetch --------------------------------------------------------------------------
     async def load(

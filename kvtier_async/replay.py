@@ -177,8 +177,8 @@ async def _replay(
     async def _request(request: Request, cache: TieredKVCache, ids: list[int]) -> None:
         chain = request.hash_ids
         keys = [block_key(h) for h in chain]
-        found = await cache.lookup(keys)
-        sources = await _sources(cache, keys[:found])
+        sources = await cache.lookup_sources(keys)
+        found = len(sources)
         loaded = 0
         while loaded < found:
             part = keys[loaded : min(found, loaded + window)]
@@ -279,21 +279,6 @@ def _predict(
         [fs] = stats["tiers"].values()
         return simulate(requests, config.block_bytes, config.primary_bytes, fs["capacity_bytes"])
     return None
-
-
-async def _sources(cache: TieredKVCache, keys: list[bytes]) -> list[str]:
-    """Which tier holds each of `keys` now: "primary", else the first secondary tier holding it
-    (as a load looks). Only to attribute hit tokens to tiers: the blocks per tier come from the
-    cache's own counters."""
-    sources: list[str | None] = ["primary" if cache.primary.lookup(key) is not None else None for key in keys]
-    for tier in cache.tiers:
-        todo = [i for i, source in enumerate(sources) if source is None]
-        if not todo:
-            break
-        for i, held in zip(todo, await tier.lookup_each([keys[i] for i in todo])):
-            if held:
-                sources[i] = tier.name
-    return [source or "primary" for source in sources]  # gone meanwhile: the load will say
 
 
 def _fill(

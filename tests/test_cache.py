@@ -161,6 +161,10 @@ async def test_per_tier_counters_say_where_lookups_found_and_loads_took_each_blo
         stats = cache.stats()
         assert stats["loaded_from"] == {"primary": 6, "memory": 0, "memory#1": 2}
         assert sum(stats["loaded_from"].values()) == stats["loaded_blocks"]
+        # Where each leading block is now: the load promoted blocks 0, 1 and 4-9 into the primary.
+        sources = await cache.lookup_sources(keys[:3])
+        assert sources == ["primary", "primary", "memory#1"]
+        assert await cache.lookup_sources(keys_for(1, conversation=7)) == []
 
 
 @pytest.mark.asyncio
