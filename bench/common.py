@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from kvtier_async.measure import LoopLag, freeze_startup_heap, median_tree, percentile
+from kvtier_async.measure import LoopLag, freeze_startup_heap, median_bounds, median_tree, percentile
 from kvtier_async.measure import drop_page_cache as drop_cache
 
 __all__ = [
@@ -79,29 +78,6 @@ def round_ratios(
 ) -> list[float]:
     """Each round's ours[key] / baseline[base_key]."""
     return [a[key] / b[base_key] for a, b in zip(ours, baseline, strict=True)]
-
-
-def median_bounds(values: Sequence[float], confidence: float = 0.9) -> tuple[float, float, float]:
-    """Bounds on the median of what `values` sample, assuming only that they are independent draws
-    (rounds of one run): the k-th smallest and the k-th largest value, and the chance that the
-    true median lies between them, 1 - 2 P(Binomial(n, 1/2) < k). k is the largest that keeps that
-    chance at `confidence` or more, and at least 1 (the extremes), whose chance, 1 - 2**(1 - n),
-    falls below `confidence` with fewer than 5 rounds: the caller shows the chance it got.
-
-    With 8 rounds: the 2nd smallest and the 2nd largest (93%); with 6: the extremes (97%)."""
-    if not values:
-        raise ValueError("median_bounds: no values")
-    if not 0 < confidence < 1:
-        raise ValueError(f"median_bounds: confidence must lie between 0 and 1, got {confidence}")
-    ordered, n = sorted(values), len(values)
-
-    def chance(k: int) -> float:  # that the median lies between the k-th smallest and k-th largest
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
-
-    k = 1
-    while k + 1 <= (n + 1) // 2 and chance(k + 1) >= confidence:
-        k += 1
-    return ordered[k - 1], ordered[n - k], chance(k)
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:

@@ -1,6 +1,6 @@
 """What a tier secret costs: each persistent tier with and without one, in the same rounds.
 
-    python bench/tier_secret.py --repeat 3 --json /tmp/tier_secret.json
+    python bench/tier_secret.py --repeat 8 --json /tmp/tier_secret.json
 
 `kvtier bench` on the fs tier (2 and 32 MiB blocks, in a temporary directory) and on the
 Redis and S3 tiers (1 MiB blocks; a local redis-server and moto's S3 server, started here as
@@ -32,7 +32,7 @@ BUCKET = "kvtier-bench"
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="MiB moved per tier and block size")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {}

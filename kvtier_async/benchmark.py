@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import statistics
 import tempfile
+import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -38,7 +40,16 @@ from .cache import TieredKVCache
 from .errors import ConfigError
 from .factory import SecondaryTierFactory
 from .keys import block_hashes
-from .measure import LoopLag, drop_page_cache, freeze_startup_heap, median_tree, rates, timed_requests
+from .measure import (
+    GB,
+    LoopLag,
+    drop_page_cache,
+    freeze_startup_heap,
+    median_bounds,
+    median_tree,
+    rates,
+    timed_requests,
+)
 from .primary import PrimaryTier
 from .raw_baselines import baseline as raw_baseline
 from .spec import OffloadingSpec
@@ -84,22 +95,28 @@ async def _measure_tier(
     async with tier:
         await tier.lookup(keys[:1])  # opened outside the timing
         with LoopLag() as lag:
+            cpu = time.process_time()
             store_s, store_lat = await timed_requests(
                 [partial(tier.store, [keys[i] for i in g], g) for g in groups]
             )
+            store_cpu = time.process_time() - cpu
             await _forget_cached_pages(tier)
             # Off the loop: zeroing 256 MiB here was the window's worst stall (10 to 40 ms), not the tier's.
             await asyncio.to_thread(primary.buffer.zero_)
+            cpu = time.process_time()
             load_s, load_lat = await timed_requests(
                 [partial(tier.load, [keys[i] for i in g], g) for g in groups]
             )
+            load_cpu = time.process_time() - cpu
         stats = tier.stats()
         exact = bool(torch.equal(primary.buffer, expected))
         await tier.delete(keys)  # a shared tier keeps nothing of the benchmark
     nbytes = blocks * block_nbytes
+    # The CPU time of this process's threads (not a server's) per GB moved: what sealing costs
+    # where throughput alone would hide it behind another bottleneck, or in the noise.
     return {
-        "store": rates(nbytes, blocks, store_s, store_lat),
-        "load": rates(nbytes, blocks, load_s, load_lat),
+        "store": {**rates(nbytes, blocks, store_s, store_lat), "cpu_s_per_gb": store_cpu * GB / nbytes},
+        "load": {**rates(nbytes, blocks, load_s, load_lat), "cpu_s_per_gb": load_cpu * GB / nbytes},
         "stored_blocks": stats["stored_blocks"],
         "load_hits": stats["load_hits"],
         "exact": exact and stats["load_hits"] == blocks,
@@ -231,10 +248,8 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                     case["store_ratio"] = measured["store"]["gbps"] / baseline["store"]["gbps"]
                     case["load_ratio"] = measured["load"]["gbps"] / baseline["load"]["gbps"]
                 if sealed_runs:
-                    with_secret = median_tree(sealed_runs)
-                    case["with_secret"] = with_secret
-                    case["secret_store_ratio"] = with_secret["store"]["gbps"] / measured["store"]["gbps"]
-                    case["secret_load_ratio"] = with_secret["load"]["gbps"] / measured["load"]["gbps"]
+                    case["with_secret"] = median_tree(sealed_runs)
+                    case.update(_secret_ratios(sealed_runs, measured_runs))
                 cases.append(case)
             block = max(config.block_kib) * 1024
             blocks = max(16, config.mib_per_case * (1 << 20) // block)
@@ -258,6 +273,20 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         "cases": cases,
         "pipelines": pipelines,
     }
+
+
+def _secret_ratios(sealed_runs: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sealed tier's throughput against the unsealed one's, round by round: the median of
+    the rounds' ratios, and the rounds' ratios themselves. Both sides of a round run close
+    together, so what drifts between rounds (a VM's host taking CPU time back for a while)
+    cancels within a round's ratio, where a ratio of the two sides' medians could set one
+    round's machine against another's."""
+    out: dict[str, Any] = {}
+    for op in ("store", "load"):
+        ratios = [s[op]["gbps"] / u[op]["gbps"] for s, u in zip(sealed_runs, runs, strict=True)]
+        out[f"secret_{op}_ratio"] = statistics.median(ratios)
+        out[f"secret_{op}_ratios"] = ratios
+    return out
 
 
 def _sealed(tier: dict[str, Any]) -> dict[str, Any] | None:
@@ -358,9 +387,29 @@ def format_table(result: dict[str, Any]) -> str:
     if any("with_secret" in case for case in result["cases"]):
         lines.append(
             "secret st/ld: the same tier with a tier secret (AES-256-GCM, keyed names), as a ratio "
-            "to it without one, measured in the same rounds"
+            "to it without one: the median of the rounds' ratios"
         )
+        lines += [f"  {line}" for line in secret_bounds(result)]
     return "\n".join(lines)
+
+
+def secret_bounds(result: dict[str, Any], confidence: float = 0.9) -> list[str]:
+    """Per sealed case, where the median of its rounds' sealed/unsealed ratios lies."""
+    lines = []
+    for case in result["cases"]:
+        if "secret_store_ratios" not in case:  # unsealed, or a record made before they were kept
+            continue
+        parts, cpu = [], []
+        for op in ("store", "load"):
+            low, high, chance = median_bounds(case[f"secret_{op}_ratios"], confidence)
+            parts.append(f"{op} {case[f'secret_{op}_ratio']:.2f}x ({low:.2f}-{high:.2f})")
+            cpu.append(f"{case[op]['cpu_s_per_gb']:.2f} -> {case['with_secret'][op]['cpu_s_per_gb']:.2f}")
+        lines.append(
+            f"{case['tier']} {case['block_kib']} KiB sealed/unsealed: {', '.join(parts)}, the median "
+            f"within the bounds with {chance:.0%} confidence ({len(case['secret_store_ratios'])} rounds); "
+            f"this process's CPU seconds per GB, unsealed -> sealed: store {cpu[0]}, load {cpu[1]}"
+        )
+    return lines
 
 
 def save_plot(result: dict[str, Any], path: Path) -> None:

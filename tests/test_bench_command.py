@@ -34,13 +34,25 @@ def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixt
     ]
     for case in result["cases"]:
         assert case["exact"] is True and case["load_hits"] == case["blocks"] == case["stored_blocks"]
-        assert set(case["store"]) == set(case["load"]) == RATES
+        # The tier's own sides also say what CPU time this process spent per GB.
+        assert set(case["store"]) == set(case["load"]) == RATES | {"cpu_s_per_gb"}
+        assert case["store"]["cpu_s_per_gb"] > 0 and case["load"]["cpu_s_per_gb"] > 0
+        assert set(case["baseline"]["store"]) == RATES
+        if case["tier"].startswith("fs"):  # sealable: measured with a secret too, round by round
+            sealed = case["with_secret"]
+            assert sealed["exact"] is True and sealed["load"]["cpu_s_per_gb"] > 0
+            for op in ("store", "load"):
+                ratios = case[f"secret_{op}_ratios"]
+                assert len(ratios) == 2 and case[f"secret_{op}_ratio"] == pytest.approx(sum(ratios) / 2)
+        else:
+            assert "with_secret" not in case and "secret_store_ratios" not in case
         lag = case["loop_lag"]
         assert {"p50_ms", "p99_ms", "max_ms", "full_gcs", "cpu_wait_p99_ms", "busy_p99_ms"} <= set(lag)
         # The lag splits into the wait for a CPU and the loop's own work: neither part exceeds it.
         assert 0 <= lag["busy_p99_ms"] <= lag["max_ms"] and lag["cpu_wait_p99_ms"] >= 0
         assert set(case["baseline"]) == {"what", "store", "load", "loop_lag"}
         assert "raw baseline: p99" in table and "waiting for a CPU" in table
+        assert f"{case['tier']} {case['block_kib']} KiB sealed/unsealed" in table or "fs" not in case["tier"]
         assert case["store_ratio"] == pytest.approx(case["store"]["gbps"] / case["baseline"]["store"]["gbps"])
         assert case["load_ratio"] > 0
     for pipe in result["pipelines"]:
