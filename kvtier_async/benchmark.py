@@ -385,9 +385,11 @@ def format_table(result: dict[str, Any]) -> str:
             what = case["baseline"]["what"] if case["baseline"] else "none for this type"
             lines.append(f"baseline for {case['tier']}: {what}")
     if any("with_secret" in case for case in result["cases"]):
+        paired = any("secret_store_ratios" in case for case in result["cases"])  # not in older records
+        how = "the median of the rounds' ratios" if paired else "the ratio of the two sides' medians"
         lines.append(
             "secret st/ld: the same tier with a tier secret (AES-256-GCM, keyed names), as a ratio "
-            "to it without one: the median of the rounds' ratios"
+            f"to it without one: {how}"
         )
         lines += [f"  {line}" for line in secret_bounds(result)]
     return "\n".join(lines)
