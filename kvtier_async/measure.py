@@ -56,7 +56,7 @@ def median_bounds(values: Sequence[float], confidence: float = 0.9) -> tuple[flo
     ordered, n = sorted(values), len(values)
 
     def chance(k: int) -> float:  # that the median lies between the k-th smallest and k-th largest
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / (1 << n)
 
     k = 1
     while k + 1 <= (n + 1) // 2 and chance(k + 1) >= confidence:
