@@ -3,6 +3,7 @@
     python bench/loop_lag.py                  # 0.5 GiB of 2 MiB blocks through the fs tier
     python bench/loop_lag.py --no-gc-freeze   # leave torch's objects to the garbage collector
     python bench/loop_lag.py --io-threads 2   # fewer threads competing with the loop for the GIL
+    python bench/loop_lag.py --secret         # the fs tier with a tier secret (AES-256-GCM)
 
 A ticker coroutine sleeps 1 ms in a loop and records how late each wake-up
 comes: first with the loop idle (the baseline), then while a `TieredKVCache`
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,6 +31,9 @@ import torch
 from common import LoopLag, drop_cache, freeze_startup_heap, run
 
 import kvtier_async as kt
+from kvtier_async.secret import new_secret
+
+SECRET_ENV = "KVTIER_LOOP_LAG_SECRET"
 
 
 async def main() -> None:
@@ -39,18 +44,23 @@ async def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-gc-freeze", action="store_true", help="undo gc.freeze() after start-up")
     parser.add_argument("--io-threads", type=int, default=None, help="OffloadingSpec.io_threads")
+    parser.add_argument("--secret", action="store_true", help="give the fs tier a fresh tier secret")
     args = parser.parse_args()
     block = args.block_kib * 1024
     blocks = max(8, int(args.gib * (1 << 30)) // block)
     layers = [torch.randint(0, 256, (blocks, block // 32), dtype=torch.uint8) for _ in range(32)]
     keys = kt.block_hashes(range(blocks * 16), 16, namespace="loop-lag")
     root = Path(tempfile.mkdtemp(prefix="kvtier-lag-", dir=args.dir))
+    tier: dict[str, object] = {"type": "fs", "root": str(root), "capacity_bytes": 4 * blocks * block}
+    if args.secret:
+        os.environ[SECRET_ENV] = new_secret()  # this process's own, never shown
+        tier["secret_env"] = SECRET_ENV
     spec = kt.OffloadingSpec(
         block_nbytes=block,
         num_cpu_blocks=max(8, blocks // 2),
         namespace="loop-lag",
         io_threads=args.io_threads,
-        secondary_tiers=[{"type": "fs", "root": str(root), "capacity_bytes": 4 * blocks * block}],
+        secondary_tiers=[tier],
     )
     if args.no_gc_freeze:
         gc.unfreeze()  # run() froze the start-up heap

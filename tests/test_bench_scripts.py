@@ -94,6 +94,9 @@ def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
     store_timeline = lags["timeline"]["store"]
     assert store_timeline and all(0 <= at <= lags["store"]["seconds"] for at, _ in store_timeline)
     assert max(lag for _, lag in store_timeline) == pytest.approx(lags["store"]["max_ms"])
+    # With a tier secret: the script itself checks that every block stored was loaded.
+    sealed = bench_records("loop_lag.py", tmp_path, "--gib", "0.02", "--secret")
+    assert sealed["load"]["ticks"] > 0
 
 
 def test_contention_bench_runs(tmp_path: Path) -> None:
