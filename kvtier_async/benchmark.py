@@ -391,11 +391,11 @@ def format_table(result: dict[str, Any]) -> str:
             "secret st/ld: the same tier with a tier secret (AES-256-GCM, keyed names), as a ratio "
             f"to it without one: {how}"
         )
-        lines += [f"  {line}" for line in secret_bounds(result)]
+        lines += [f"  {line}" for line in _secret_bounds(result)]
     return "\n".join(lines)
 
 
-def secret_bounds(result: dict[str, Any], confidence: float = 0.9) -> list[str]:
+def _secret_bounds(result: dict[str, Any], confidence: float = 0.9) -> list[str]:
     """Per sealed case, where the median of its rounds' sealed/unsealed ratios lies."""
     lines = []
     for case in result["cases"]:
