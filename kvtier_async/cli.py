@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -217,16 +217,40 @@ def _speed(text: str) -> float | None:
     return value
 
 
+def _plot_without_matplotlib(command: str, plot: Path | None) -> bool:
+    """Whether a plot is asked for that cannot be drawn (said on stderr): checked before any work."""
+    if plot is None:
+        return False
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"{command}: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return True
+    return False
+
+
+def _show_and_save(
+    args: argparse.Namespace,
+    text: str,
+    report: dict[str, Any],
+    save_plot: Callable[[dict[str, Any], Path], None],
+    *,
+    json_indent: int,
+) -> None:
+    """A command's report: its text on stdout, then `--json` and `--plot` where asked for."""
+    print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=json_indent))
+    if args.plot is not None:
+        save_plot(report, args.plot)
+
+
 def _replay_command(args: argparse.Namespace) -> int:
     from .replay import ReplayConfig, run_replay
     from .replay_report import format_replay, save_replay_plot
 
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("kvtier replay: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
+    if _plot_without_matplotlib("kvtier replay", args.plot):
+        return 2
     if args.model_geometry is not None:
         block_bytes = MODEL_GEOMETRIES[args.model_geometry] * TOKENS_PER_BLOCK
     else:
@@ -250,11 +274,7 @@ def _replay_command(args: argparse.Namespace) -> int:
     except (KVTierError, ValueError, OSError) as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
-    print(format_replay(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-    if args.plot is not None:
-        save_replay_plot(report, args.plot)
+    _show_and_save(args, format_replay(report), report, save_replay_plot, json_indent=1)
     return 0 if report["wrong_bytes"] == 0 else 1
 
 
@@ -271,11 +291,7 @@ def _sweep_command(args: argparse.Namespace, block_bytes: int) -> int:
     except (KVTierError, ValueError, OSError, argparse.ArgumentTypeError) as exc:
         print(f"kvtier replay --sweep: {exc}", file=sys.stderr)
         return 2
-    print(format_sweep(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-    if args.plot is not None:
-        save_sweep_plot(report, args.plot)
+    _show_and_save(args, format_sweep(report), report, save_sweep_plot, json_indent=1)
     return 0
 
 
@@ -330,12 +346,8 @@ def _fs_command(args: argparse.Namespace) -> int:
 def _bench_command(args: argparse.Namespace) -> int:
     from .benchmark import BenchConfig, format_table, run_bench, save_plot
 
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("kvtier bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
+    if _plot_without_matplotlib("kvtier bench", args.plot):
+        return 2
     config = BenchConfig(
         secondary_tiers=args.tiers,
         block_kib=args.block_kib,
@@ -351,11 +363,7 @@ def _bench_command(args: argparse.Namespace) -> int:
     except (KVTierError, ValueError, OSError) as exc:
         print(f"kvtier bench: {exc}", file=sys.stderr)
         return 2
-    print(format_table(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-    if args.plot is not None:
-        save_plot(result, args.plot)
+    _show_and_save(args, format_table(result), result, save_plot, json_indent=2)
     return 0 if all(case["exact"] for case in result["cases"]) else 1
 
 
