@@ -151,3 +151,16 @@ def test_secret_new_prints_a_fresh_256_bit_secret(capsys: pytest.CaptureFixture[
         printed.append(capsys.readouterr().out.strip())
     assert printed[0] != printed[1]
     assert all(len(bytes.fromhex(p)) == 32 for p in printed)
+
+
+@pytest.mark.parametrize(
+    "command", [["bench"], ["replay", "trace.jsonl"], ["replay", "trace.jsonl", "--sweep"]]
+)
+def test_plot_without_matplotlib_fails_before_any_work(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    plot = tmp_path / "out.png"
+    assert main([*command, "--plot", str(plot), "--dir", str(tmp_path), "--no-progress"]) == 2
+    assert f"kvtier {command[0]}: --plot needs matplotlib" in capsys.readouterr().err
+    assert not plot.exists() and list(tmp_path.iterdir()) == []  # no trace read, no tier made
