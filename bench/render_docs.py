@@ -457,7 +457,7 @@ def secret_section() -> list[str]:
         "busy for a tenth of the time the data moves at 1 GB/s. On a server's cores that time",
         "runs on worker threads beside the I/O rather than in its place; it has not been",
         "measured on more than two cores here. With cores free for them, the CPU worker threads",
-        "(`copy_threads`, up to 4) seal at about 9 GB/s each, more than any of these tiers moves.",
+        "(`copy_threads`: one fewer than the cores, up to 4) seal at about 9 GB/s each, more than any of these tiers moves.",
         "The event loop's lag with a secret (the lag lines) is mostly the loop waiting for a CPU",
         "behind those threads.",
         "",

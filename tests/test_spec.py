@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -48,6 +49,15 @@ def test_resolved_limits_fill_every_none() -> None:
         explicit.max_pending_stores,
         explicit.io_threads,
     ) == (3, 2, 7, 5)
+
+
+@pytest.mark.parametrize(("cpus", "copy_threads"), [(None, 1), (1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
+def test_copy_threads_leave_a_core_free(
+    monkeypatch: pytest.MonkeyPatch, cpus: int | None, copy_threads: int
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    limits = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8).limits
+    assert limits.copy_threads == copy_threads
 
 
 def test_vllm_config_is_carried_untouched() -> None:
