@@ -133,6 +133,11 @@ def tier_secret(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def secret_threads(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/secret_threads.py", "--repeat", "16"]
+    return shlex.join(command), run_json(command)
+
+
 def remote_tiers(args: argparse.Namespace) -> tuple[str, Any]:
     command = [PY, "bench/remote_tiers.py", "--block-kib", "64", "1024", "8192", "--repeat", "8"]
     return shlex.join(command), run_json(command)
@@ -170,6 +175,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "sglang_backend": sglang_backend,
     "lmcache_l2": lmcache_l2,
     "tier_secret": tier_secret,
+    "secret_threads": secret_threads,
     "replay": replay,
     "eviction_policies": eviction_policies,
 }

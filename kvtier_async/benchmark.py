@@ -82,10 +82,19 @@ BENCH_SECRET_ENV = "KVTIER_BENCH_SECRET"
 
 
 # -- the tier ------------------------------------------------------------------------------------
-async def _measure_tier(
-    config: dict[str, Any], block_nbytes: int, blocks: int, request_blocks: int, tag: str
+async def measure_tier(
+    config: dict[str, Any],
+    block_nbytes: int,
+    blocks: int,
+    request_blocks: int,
+    tag: str,
+    **spec_fields: Any,
 ) -> dict[str, Any]:
-    spec = OffloadingSpec(block_nbytes=block_nbytes, num_cpu_blocks=blocks, namespace=f"kvtier-bench-{tag}")
+    """One round of one tier: `blocks` random blocks stored, then loaded cold, in requests of
+    `request_blocks` all issued at once; `spec_fields` go to the `OffloadingSpec` as they are."""
+    spec = OffloadingSpec(
+        block_nbytes=block_nbytes, num_cpu_blocks=blocks, namespace=f"kvtier-bench-{tag}", **spec_fields
+    )
     primary = PrimaryTier(spec)
     primary.buffer.view(-1)[:] = torch.randint(0, 256, (primary.buffer.numel(),), dtype=torch.uint8)
     expected = primary.buffer.clone()
@@ -225,7 +234,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                 # a while; neither must land on one side only.
                 for r in range(config.repeat):
                     tag = f"{run_id}-{n}-{kib}-{r}"
-                    tier_run = partial(_measure_tier, tier_config, block, blocks, config.request_blocks, tag)
+                    tier_run = partial(measure_tier, tier_config, block, blocks, config.request_blocks, tag)
                     raw_run = partial(
                         raw_baseline, tier_config, block, blocks, config.request_blocks, work / f"raw-{tag}"
                     )
@@ -233,7 +242,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                     sealed_config = sealed[n]
                     if sealed_config is not None:
                         sealed_run = partial(
-                            _measure_tier, sealed_config, block, blocks, config.request_blocks, f"{tag}-s"
+                            measure_tier, sealed_config, block, blocks, config.request_blocks, f"{tag}-s"
                         )
                         sides.append((sealed_run, sealed_runs))
                     for run, runs in sides[r % len(sides) :] + sides[: r % len(sides)]:

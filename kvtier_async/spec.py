@@ -25,6 +25,7 @@ LIMIT_FIELDS = (
     "max_inflight_stores",
     "max_pending_stores",
     "io_threads",
+    "copy_threads",
     "max_inflight_bytes",
 )
 
@@ -112,6 +113,9 @@ class OffloadingSpec:
     """Blocks waiting to be written per tier before stores are dropped; None: `num_cpu_blocks`."""
     io_threads: int | None = None
     """Worker threads for blocking tier work; None: 2 per CPU core, between 4 and 32."""
+    copy_threads: int | None = None
+    """Worker threads for CPU work (host copies, checksums, sealing); None: one fewer than the
+    CPU cores, between 1 and 4, so that the event loop always finds a core."""
     max_inflight_bytes: int | None = None
     """Bytes in `write_blocks` / `read_blocks` calls at once, all tiers of a cache together
     (loads first); None: enough for every tier's lanes to be full."""
@@ -190,7 +194,8 @@ class OffloadingSpec:
         # of 512 MiB through the sealed fs tier (32 MiB blocks) gave a loop-lag p99 of 1.16 ms
         # with one CPU thread against 1.63 ms with two, at the same GB/s (AES-GCM runs at
         # ~9 GB/s a thread, faster than the disk); the Redis tier sealed went faster with one.
-        copy_threads = max(1, min(4, cpus - 1))
+        # bench/secret_threads.py measures it.
+        copy_threads = self.copy_threads or max(1, min(4, cpus - 1))
         return SchedulerLimits(
             io_threads=io_threads,
             copy_threads=copy_threads,

@@ -99,6 +99,15 @@ def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
     assert sealed["load"]["ticks"] > 0
 
 
+def test_secret_threads_bench_runs(tmp_path: Path) -> None:
+    args = ("--threads", "1", "2", "--block-mib", "2", "--mib", "4", "--repeat", "2")
+    results = bench_records("secret_threads.py", tmp_path, *args)
+    variants = results["2 MiB"]
+    assert list(variants) == ["unsealed", "sealed, 1 thread", "sealed, 2 threads"]
+    assert variants["unsealed"]["store_ratio"] == variants["unsealed"]["load_ratio"] == 1.0
+    assert all(row["load_gbps"] > 0 and row["lag_p99_ms"] >= 0 for row in variants.values())
+
+
 def test_contention_bench_runs(tmp_path: Path) -> None:
     args = ("--block-kib", "64", "--store-batches", "2", "--loads", "4")
     summary = bench_records("contention.py", tmp_path, *args)
@@ -267,5 +276,5 @@ def test_run_all_describes_the_machine() -> None:
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
     recorders |= {"sglang_backend", "lmcache_l2", "fs_staging", "tier_secret", "replay"}
-    recorders |= {"eviction_policies"}
+    recorders |= {"eviction_policies", "secret_threads"}
     assert set(run_all.RECORDERS) == recorders

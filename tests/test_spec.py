@@ -58,6 +58,7 @@ def test_copy_threads_leave_a_core_free(
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     limits = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8).limits
     assert limits.copy_threads == copy_threads
+    assert kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8, copy_threads=3).limits.copy_threads == 3
 
 
 def test_vllm_config_is_carried_untouched() -> None:
@@ -90,6 +91,7 @@ def test_from_dict_with_cpu_bytes() -> None:
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "block_size": 0}, "block_size"),
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "namespace": ""}, "namespace"),
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "io_threads": 0}, "io_threads"),
+        ({"block_nbytes": 4096, "num_cpu_blocks": 1, "copy_threads": 0}, "copy_threads"),
         ({"block_nbytes": 4096, "num_cpu_blocks": 1, "max_pending_stores": -1}, "max_pending_stores"),
         (
             {"block_nbytes": 4096, "num_cpu_blocks": 1, "secondary_tiers": {"type": "memory"}},
