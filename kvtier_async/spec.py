@@ -190,11 +190,10 @@ class OffloadingSpec:
         every_lane_full = (loads + stores) * batch_blocks * stride * max(1, len(self.secondary_tiers))
         # The CPU threads (copies, checksums, sealing) leave one core free. Busy on every core,
         # they left no idle CPU for the loop's wake-ups, which then queued behind the I/O
-        # threads' and the kernel's own non-preemptible work: on 2 cores, 16 interleaved rounds
-        # of 512 MiB through the sealed fs tier (32 MiB blocks) gave a loop-lag p99 of 1.16 ms
-        # with one CPU thread against 1.63 ms with two, at the same GB/s (AES-GCM runs at
-        # ~9 GB/s a thread, faster than the disk); the Redis tier sealed went faster with one.
-        # bench/secret_threads.py measures it.
+        # threads' and the kernel's own non-preemptible work. bench/secret_threads.py, 2 cores,
+        # the sealed fs tier: loop-lag p99 1.2-1.5 ms with one CPU thread, 2.3-3.1 ms with two;
+        # the cost, the largest blocks' cold loads at 0.84x of unsealed against 0.91x (AES-GCM
+        # opens ~9 GB/s a thread). The sealed Redis tier moved faster with one.
         copy_threads = self.copy_threads or max(1, min(4, cpus - 1))
         return SchedulerLimits(
             io_threads=io_threads,
