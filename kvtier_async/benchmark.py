@@ -55,7 +55,7 @@ from .raw_baselines import baseline as raw_baseline
 from .spec import OffloadingSpec
 from .tier import SecondaryTierManager
 
-__all__ = ["BenchConfig", "format_table", "run_bench", "save_plot"]
+__all__ = ["BenchConfig", "format_table", "measure_tier", "run_bench", "save_plot"]
 
 LAYERS = 8  # the stand-in device memory of the pipeline measurement
 
