@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import run
+from common import median_tree, run
 
-from kvtier_async.benchmark import measure_tier
+from kvtier_async.benchmark import measure_tier, secret_ratios
 
 SECRET_ENV = "KVTIER_SECRET_THREADS_BENCH"
 
@@ -75,12 +74,11 @@ def summary(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
     unsealed = rounds["unsealed"]
     out = {}
     for name, runs in rounds.items():
-        row = {"lag_p99_ms": statistics.median(run["loop_lag"]["p99_ms"] for run in runs)}
+        medians, ratios = median_tree(runs), secret_ratios(runs, unsealed)
+        row = {"lag_p99_ms": medians["loop_lag"]["p99_ms"]}
         for side in ("store", "load"):
-            row[f"{side}_gbps"] = statistics.median(run[side]["gbps"] for run in runs)
-            row[f"{side}_ratio"] = statistics.median(
-                run[side]["gbps"] / base[side]["gbps"] for run, base in zip(runs, unsealed, strict=True)
-            )
+            row[f"{side}_gbps"] = medians[side]["gbps"]
+            row[f"{side}_ratio"] = ratios[f"secret_{side}_ratio"]
         out[name] = row
     return out
 

@@ -55,7 +55,7 @@ from .raw_baselines import baseline as raw_baseline
 from .spec import OffloadingSpec
 from .tier import SecondaryTierManager
 
-__all__ = ["BenchConfig", "format_table", "measure_tier", "run_bench", "save_plot"]
+__all__ = ["BenchConfig", "format_table", "measure_tier", "run_bench", "save_plot", "secret_ratios"]
 
 LAYERS = 8  # the stand-in device memory of the pipeline measurement
 
@@ -258,7 +258,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                     case["load_ratio"] = measured["load"]["gbps"] / baseline["load"]["gbps"]
                 if sealed_runs:
                     case["with_secret"] = median_tree(sealed_runs)
-                    case.update(_secret_ratios(sealed_runs, measured_runs))
+                    case.update(secret_ratios(sealed_runs, measured_runs))
                 cases.append(case)
             block = max(config.block_kib) * 1024
             blocks = max(16, config.mib_per_case * (1 << 20) // block)
@@ -284,7 +284,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
     }
 
 
-def _secret_ratios(sealed_runs: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+def secret_ratios(sealed_runs: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The sealed tier's throughput against the unsealed one's, round by round: the median of
     the rounds' ratios, and the rounds' ratios themselves. Both sides of a round run close
     together, so what drifts between rounds (a VM's host taking CPU time back for a while)
