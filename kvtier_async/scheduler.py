@@ -14,7 +14,7 @@ import asyncio
 import contextvars
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from enum import IntEnum
@@ -26,6 +26,7 @@ from .workers import WorkerThreads, wait_uncancellable
 __all__ = ["Lane", "Priority", "Scheduler", "current_priority", "wait_uncancellable"]
 
 T = TypeVar("T")
+A = TypeVar("A")
 Direction = Literal["load", "store"]
 
 
@@ -193,6 +194,11 @@ class Scheduler:
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
         return await self._workers.run(fn, *args)
+
+    async def run_blocking_each(self, fn: Callable[[A], T], items: Sequence[A]) -> list[T]:
+        """`fn(item)` for each item on the worker threads, queued at once and in order; their
+        results once all have finished (see `WorkerThreads.run_each`)."""
+        return await self._workers.run_each(fn, items)
 
     async def run_cpu(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-bound `fn(*args)` (one that releases the GIL) on the CPU worker threads."""

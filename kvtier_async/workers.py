@@ -26,7 +26,7 @@ import platform
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from .errors import ClosedError, InvalidArgumentError
 __all__ = ["WorkerThreads", "wait_uncancellable"]
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 #: How much nicer than the event loop the worker threads are (Linux: per thread).
 WORKER_NICENESS = 10
@@ -90,6 +91,29 @@ class WorkerThreads:
         """Run `fn(*args)` on a worker thread; returns (or raises) only once it has finished."""
         executor = self._executor or await self.start()
         return await wait_uncancellable(asyncio.wrap_future(executor.submit(fn, *args)))
+
+    async def run_each(self, fn: Callable[[A], T], items: Sequence[A]) -> list[T]:
+        """`fn(item)` for each item, all queued at once and in order (each on whichever thread
+        is free); their results, once every one has finished, even if we are cancelled
+        meanwhile (then the cancel is re-raised), or the first one's error."""
+        executor = self._executor or await self.start()
+        futures: list[asyncio.Future[T]] = []
+        refused: BaseException | None = None
+        for item in items:
+            try:
+                futures.append(asyncio.wrap_future(executor.submit(fn, item)))
+            except BaseException as exc:  # closed meanwhile: what was queued still runs
+                refused = exc
+                break
+        outcomes = await wait_uncancellable(asyncio.gather(*futures, return_exceptions=True))
+        results: list[T] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results.append(outcome)
+        if refused is not None:
+            raise refused
+        return results
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue `fn(*args)` on a worker thread and return at once, for another thread to wait

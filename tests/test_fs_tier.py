@@ -22,8 +22,10 @@ import pytest
 import kvtier_async as kt
 import kvtier_async.tiers.fs
 import kvtier_async.tiers.fs.admin
+from kvtier_async.buffers import address_of as buffer_address
 from kvtier_async.spec import OffloadingSpec
 from kvtier_async.testing import TierContractTests
+from kvtier_async.tiers.fs import records
 from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
 
@@ -73,6 +75,12 @@ class TestFileSystemTierOnTmpfs(FsContract):
 
 # -- file-system specific behaviour ----------------------------------------------------------------
 HERE = Path(__file__).parent
+
+
+#: Read piece sizes the read path is tested with: the default (a whole run of these small
+#: records in one piece), two records a piece, and a record in four parts.
+READ_PIECES = [records.READ_PIECE_BYTES, 2 * record_bytes_for(h.BLOCK_NBYTES), 4096]
+READ_PIECE_IDS = ["default", "two-records", "quarter-record"]
 
 
 def slab_files(root: Path, kind: str = "kvs") -> list[Path]:
@@ -167,7 +175,11 @@ async def test_sigkill_at_a_random_moment_loses_nothing_acknowledged(tmp_path: P
 @pytest.mark.asyncio
 @pytest.mark.parametrize("damage", ["flip-payload", "flip-header", "zero", "truncate", "delete"])
 @pytest.mark.parametrize("staging", [False, True])
-async def test_damaged_blocks_are_counted_misses(tmp_path: Path, damage: str, staging: bool) -> None:
+@pytest.mark.parametrize("piece", READ_PIECES, ids=READ_PIECE_IDS)
+async def test_damaged_blocks_are_counted_misses(
+    tmp_path: Path, damage: str, staging: bool, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records, "READ_PIECE_BYTES", piece)
     tier, primary = h.make_tier(str(tmp_path), staging=staging)
     keys = [h.key_for(i) for i in range(8)]
     async with tier:
@@ -585,14 +597,87 @@ async def test_a_file_system_turned_read_only_keeps_loads_and_logs_little(
     assert 1 <= len(logged) <= 4, logged
 
 
+@pytest.mark.parametrize("piece", READ_PIECES, ids=READ_PIECE_IDS)
+def test_read_pieces_cover_every_record_once(
+    tmp_path: Path, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records, "READ_PIECE_BYTES", piece)
+    tier, _ = h.make_tier(str(tmp_path))
+    size = tier.record_bytes
+    # Records 0-2 and 7 of slab 1 (fd 11), record 3 of slab 2 (fd 12); slots out of order.
+    jobs = [(11, (1, 1), 0, 5 * size), (11, (1, 0), 0, 0), (12, (2, 3), 0, size), (11, (1, 2), 0, 6 * size)]
+    jobs.append((11, (1, 7), 0, 2 * size))
+    pieces = tier.records.read_pieces(jobs)
+    expected = {"default": 3, "two-records": 4, "quarter-record": 4 * len(jobs)}
+    assert len(pieces) == expected[READ_PIECE_IDS[READ_PIECES.index(piece)]]
+    assert all(p.whole for p in pieces) == (size < 2 * piece)
+    base = buffer_address(tier.records.view)
+    # Per job: (start, end) in its record, and where in memory that span lands (from its slot).
+    spans: dict[int, list[tuple[int, int, int]]] = {n: [] for n in range(len(jobs))}
+    for p in pieces:
+        at = p.offset
+        for view in p.iov:
+            memory = buffer_address(view) - base
+            for n in p.jobs:
+                fd, (_, record), _, slot = jobs[n]
+                start, end = max(at, record * size), min(at + len(view), (record + 1) * size)
+                if start < end:
+                    assert p.fd == fd
+                    spans[n].append((start - record * size, end - record * size, memory + start - at - slot))
+            at += len(view)
+    for covered in spans.values():
+        covered.sort()
+        assert [c[0] for c in covered] == [0] + [c[1] for c in covered[:-1]], "a gap or an overlap"
+        assert covered[-1][1] == size
+        assert all(start == into for start, _, into in covered), "bytes land outside their slot"
+
+    # What arrived, per job: the whole record, part of it, or nothing known (-1).
+    done = [sum(len(v) for v in p.iov) for p in pieces]
+    assert tier.records.arrived(len(jobs), pieces, done) == [size] * len(jobs)
+    last = pieces[-1].jobs[-1]
+    got = tier.records.arrived(len(jobs), pieces, [*done[:-1], done[-1] - 100])
+    assert got[last] == size - 100 and got.count(size) == len(jobs) - 1
+    got = tier.records.arrived(len(jobs), pieces, [*done[:-1], -1])
+    assert [n for n, g in enumerate(got) if g == -1] == pieces[-1].jobs
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("piece", READ_PIECES, ids=READ_PIECE_IDS)
+async def test_a_failed_read_misses_only_the_blocks_it_held(
+    tmp_path: Path, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records, "READ_PIECE_BYTES", piece)
+    tier, primary = h.make_tier(str(tmp_path))
+    keys = [h.key_for(i) for i in range(8)]
+    original = tier.records.read_piece
+    victim = 5 * tier.record_bytes + tier.record_bytes // 2  # a file byte of record 5 (key 5)
+
+    def failing(p: records.ReadPiece) -> int:
+        if p.offset <= victim < p.offset + sum(len(v) for v in p.iov):
+            return -1  # as read_piece says of an EIO
+        return original(p)
+
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 8
+        tier.records.read_piece = failing  # type: ignore[method-assign]
+        results = await h.load_and_check(tier, primary, keys)
+        in_failed_piece = {n for n in range(8) if results[n] is False}
+        assert 5 in in_failed_piece and None not in results
+        if piece < 2 * tier.record_bytes:
+            assert in_failed_piece == {5}
+        assert tier.stats()["corrupt_blocks"] == 0  # a fault, not damage: the blocks stay
+        tier.records.read_piece = original  # type: ignore[method-assign]
+        assert await h.load_and_check(tier, primary, keys) == [True] * 8
+
+
 @pytest.mark.asyncio
 async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Path) -> None:
     capacity = 8 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)
     tier, primary = h.make_tier(str(tmp_path), capacity_bytes=capacity)
     started, release = threading.Event(), threading.Event()
-    original = tier.records.read
+    original = tier.records.read_piece
 
-    def gated_read(*args: Any) -> list[int]:
+    def gated_read(*args: Any) -> int:
         started.set()
         release.wait(timeout=60)
         return original(*args)
@@ -600,10 +685,10 @@ async def test_a_block_being_read_is_never_evicted_under_the_reader(tmp_path: Pa
     async with tier:
         victim = h.key_for(0)
         await h.store_keys(tier, primary, [victim])
-        tier.records.read = gated_read  # type: ignore[method-assign]
+        tier.records.read_piece = gated_read  # type: ignore[method-assign]
         reading = asyncio.ensure_future(tier.load([victim], [20]))
         await asyncio.to_thread(started.wait, 60)
-        tier.records.read = original  # type: ignore[method-assign]
+        tier.records.read_piece = original  # type: ignore[method-assign]
         # Fill the tier several times over: every other block gets evicted meanwhile.
         await h.store_in_fours(tier, primary, 1, 41)
         assert tier.stats()["evictions"] > 8

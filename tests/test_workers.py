@@ -15,6 +15,12 @@ from kvtier_async.errors import ClosedError
 from kvtier_async.workers import _SCHED_ATTR, WORKER_NICENESS, WORKER_SLICE_NS, WorkerThreads
 
 
+async def _loop_turns(n: int = 5) -> None:
+    """Let the loop run what is ready a few times over (callbacks that chain through futures)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 def _named(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix + "_")]
 
@@ -61,6 +67,64 @@ async def test_errors_come_back_and_closed_pools_refuse_work() -> None:
     workers.close()
     with pytest.raises(ClosedError):
         await workers.run(lambda: None)
+
+
+@pytest.mark.asyncio
+async def test_run_each_queues_the_jobs_in_order_and_returns_their_results_in_order() -> None:
+    workers = WorkerThreads(1, "kvtier-test-each")
+    order: list[int] = []
+
+    def job(n: int) -> int:
+        order.append(n)
+        return n * n
+
+    try:
+        assert await workers.run_each(job, range(20)) == [n * n for n in range(20)]
+        assert order == list(range(20))  # one thread: run as queued
+        assert await workers.run_each(job, []) == []
+    finally:
+        workers.close()
+
+
+@pytest.mark.asyncio
+async def test_run_each_returns_only_once_every_job_has_finished() -> None:
+    # Its jobs write into memory the caller owns: neither an error of one nor a cancel may let
+    # the caller go on while another still runs.
+    workers = WorkerThreads(1, "kvtier-test-each-wait")  # one thread: job 0 is done when 1 starts
+    release, started = threading.Event(), threading.Event()
+    finished: list[int] = []
+
+    def job(n: int) -> int:
+        if n == 0:
+            raise OSError("first job failed")
+        started.set()
+        release.wait(timeout=60)
+        finished.append(n)
+        return n
+
+    try:
+        failing = asyncio.ensure_future(workers.run_each(job, [0, 1]))
+        await asyncio.to_thread(started.wait, 60)
+        await _loop_turns()  # job 0's failure has reached the loop
+        assert not failing.done(), "returned while a job still ran"
+        release.set()
+        with pytest.raises(OSError, match="first job failed"):
+            await failing
+        assert finished == [1]
+
+        release.clear()
+        started.clear()
+        cancelled = asyncio.ensure_future(workers.run_each(job, [1, 2]))
+        await asyncio.to_thread(started.wait, 60)
+        cancelled.cancel()
+        await _loop_turns()
+        assert not cancelled.done(), "a cancel returned while the jobs still ran"
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert sorted(finished) == [1, 1, 2]
+    finally:
+        workers.close()
 
 
 @pytest.mark.asyncio
