@@ -3,8 +3,9 @@
 A store's records go out in one `pwritev` per run of neighbouring records, straight from
 the primary slots (or through a staging buffer, `staging`), after the deletion entries of
 the records they reuse and before the entries that name them: a record is visible only
-once complete. A load's records come in `preadv`s of about `READ_PIECE_BYTES`, spread over
-the I/O threads, and are checked against the checksums of the index on a CPU thread.
+once complete. A load's records come in one `preadv` per run (a large record in parts of
+about `READ_PIECE_BYTES`, spread over the I/O threads) and are checked against the checksums
+of the index on a CPU thread.
 Nothing here touches the index: the methods take the records to work on and return what
 happened to each.
 """
@@ -45,13 +46,15 @@ WriteJob = tuple[bytes, Record, int, bool]
 #: A record to read: (data file descriptor, record, payload checksum, offset of its primary slot).
 ReadJob = tuple[int, Record, int, int]
 
-#: Reads are cut into pieces of about this size, each its own job for the I/O threads, queued
-#: in order: the threads then read one load's records together and finish the loads in turn,
-#: rather than all those in flight at once at the end, so that what follows a read (opening a
-#: sealed block) goes on for the first while the next are read. In an experiment on 2 cores
-#: (12 interleaved rounds of `benchmark.measure_tier`, 256 MiB of 32 MiB blocks), sealed cold
-#: loads went from 0.79x the unsealed tier's to 0.94x with 8 MiB pieces; 4 MiB pieces gave
-#: 0.90x and more event-loop lag, 16 MiB 0.87x. Unsealed loads were unchanged (1.01-1.06x).
+#: A record of twice this size or more is read in parts of about this size, each its own job
+#: for the I/O threads, queued in order: the threads then read one load's blocks together and
+#: finish the loads in turn, rather than all those in flight at once at the end, so that what
+#: follows a read (opening a sealed block) goes on for the first while the next are read. In an
+#: experiment on 2 cores (12 interleaved rounds of `benchmark.measure_tier`, 256 MiB of 32 MiB
+#: blocks), sealed cold loads went from 0.79x the unsealed tier's to 0.94x with 8 MiB parts
+#: (4 MiB: 0.90x and more event-loop lag; 16 MiB: 0.87x). Runs of smaller records stay one
+#: read: cut into 8 MiB pieces too, 2 MiB blocks loaded no faster (sealed 0.83x -> 0.86x) and
+#: the loop's lag p99 grew by about 0.25 ms (more completions handed back to it).
 READ_PIECE_BYTES = 8 << 20
 
 
@@ -283,27 +286,24 @@ class RecordIO:
 
     # -- reading ---------------------------------------------------------------------------------
     def read_pieces(self, jobs: list[ReadJob]) -> list[ReadPiece]:
-        """The reads that bring `jobs`' records in: runs of neighbours cut into pieces of about
-        `READ_PIECE_BYTES`, each one `preadv` for `read_piece` on whichever I/O thread is free."""
+        """The reads that bring `jobs`' records in, each one `preadv` for `read_piece` on
+        whichever I/O thread is free: one per run of neighbouring records, or, for records of
+        two `READ_PIECE_BYTES` or more, one per part of about that size."""
         pieces: list[ReadPiece] = []
         size = self.record_bytes
+        parts = size // READ_PIECE_BYTES
+        step = -(-size // max(1, parts) // ALIGN) * ALIGN  # parts O_DIRECT aligned, the last shorter
         for run in self._runs([where for _, where, _, _ in jobs]):
-            parts = size // READ_PIECE_BYTES
-            if parts > 1:  # one record in parts of about equal size (O_DIRECT aligned)
-                step = -(-size // parts // ALIGN) * ALIGN
-                for n in run:
-                    fd, (_, record), _, slot = jobs[n]
-                    for start in range(0, size, step):
-                        end = min(start + step, size)
-                        view = self.view[slot + start : slot + end]
-                        pieces.append(ReadPiece(fd, record * size + start, [view], [n], whole=False))
+            if parts < 2:
+                fd, (_, first), _, _ = jobs[run[0]]
+                iov = self._iov([jobs[n][3] for n in run])
+                pieces.append(ReadPiece(fd, first * size, iov, run, whole=True))
                 continue
-            per_piece = max(1, READ_PIECE_BYTES // size)
-            for k in range(0, len(run), per_piece):
-                ns = run[k : k + per_piece]
-                fd, (_, first), _, _ = jobs[ns[0]]
-                iov = self._iov([jobs[n][3] for n in ns])
-                pieces.append(ReadPiece(fd, first * size, iov, ns, whole=True))
+            for n in run:
+                fd, (_, record), _, slot = jobs[n]
+                for start in range(0, size, step):
+                    view = self.view[slot + start : slot + min(start + step, size)]
+                    pieces.append(ReadPiece(fd, record * size + start, [view], [n], whole=False))
         return pieces
 
     def read_piece(self, piece: ReadPiece) -> int:

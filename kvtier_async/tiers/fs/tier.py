@@ -5,8 +5,8 @@ Blocks live as bare records in slab files (`layout` has the format and how proce
 share a directory). This module wires the tier contract to the package's rooms: the
 index of what is where (`index.SlabIndex`, event-loop thread, no I/O), the slab files as
 found on disk (`slab_files.SlabFiles`: opening, claiming, reading the other processes'
-logs) and the records' reads and writes (`records.RecordIO`: one `pwritev` per run of
-neighbouring records, `preadv`s of about 8 MiB spread over the I/O threads, straight between
+logs) and the records' reads and writes (`records.RecordIO`: one `pwritev`/`preadv` per run
+of neighbouring records, a large record read in parts by several I/O threads, straight between
 the aligned primary slots and the files with O_DIRECT where the file system allows it), both
 on the scheduler's worker threads; where a store's next record comes from (`room.Room`).
 The index holds the slabs this process writes, plus what it has read of the other slabs'
