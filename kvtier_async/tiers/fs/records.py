@@ -5,9 +5,8 @@ the primary slots (or through a staging buffer, `staging`), after the deletion e
 the records they reuse and before the entries that name them: a record is visible only
 once complete. A load's records come in one `preadv` per run (a large record in parts of
 about `READ_PIECE_BYTES`, spread over the I/O threads) and are checked against the checksums
-of the index on a CPU thread.
-Nothing here touches the index: the methods take the records to work on and return what
-happened to each.
+of the index on a CPU thread. Nothing here touches the index: the methods take the records
+to work on and return what happened to each.
 """
 
 from __future__ import annotations
@@ -292,13 +291,13 @@ class RecordIO:
         pieces: list[ReadPiece] = []
         size = self.record_bytes
         parts = size // READ_PIECE_BYTES
-        step = -(-size // max(1, parts) // ALIGN) * ALIGN  # parts O_DIRECT aligned, the last shorter
         for run in self._runs([where for _, where, _, _ in jobs]):
             if parts < 2:
                 fd, (_, first), _, _ = jobs[run[0]]
                 iov = self._iov([jobs[n][3] for n in run])
                 pieces.append(ReadPiece(fd, first * size, iov, run, whole=True))
                 continue
+            step = -(-size // parts // ALIGN) * ALIGN  # parts O_DIRECT aligned, the last shorter
             for n in run:
                 fd, (_, record), _, slot = jobs[n]
                 for start in range(0, size, step):
