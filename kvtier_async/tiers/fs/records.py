@@ -314,7 +314,7 @@ class RecordIO:
             return os.preadv(piece.fd, piece.iov, piece.offset)
         except OSError as exc:
             self.fault_log.warning(
-                "read", "fs tier %r: reading %d records failed: %s", self._name, len(piece.jobs), exc
+                "read", "fs tier %r: a read of %d record(s) failed: %s", self._name, len(piece.jobs), exc
             )
             return -1
 
