@@ -390,6 +390,12 @@ def bench_section() -> list[str]:
         "baseline in the same run (O_DIRECT calls for `fs`, torch copies on the same threads for",
         "`memory`), the loop's lag, and how well a cache overlaps copies with tier I/O.",
         "",
+        "The lag is a 1 ms timer's lateness through a store and a cold load of 256 MiB, each",
+        "issuing all its requests at once: about 200 ticks, so its p99 is the second-worst",
+        "tick, most often the burst of the phase's first requests (16 of them, started in one",
+        "turn of the loop: 1 to 1.7 ms here). The benchmark's own work between the two phases",
+        "(zeroing the primary memory, dropping the page cache) is left out of the count.",
+        "",
         *bench_table(record),
     ]
 

@@ -5,12 +5,13 @@ rounds, the event loop's lag (`LoopLag`), a frozen start-up heap, a cold page ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,8 @@ class LoopLag:
     ready to run (Linux schedstat): on a small machine shared with a server
     process that is most of the lag, and no code of the loop's can shorten it;
     the rest of the lag is the loop busy with its own work.
+
+    `paused()` leaves out the harness's own work between the phases it measures.
     """
 
     def __init__(self, period: float = 0.001) -> None:
@@ -151,7 +154,9 @@ class LoopLag:
         self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
         self._window = (0.0, 0.0)  # (wall clock, stolen CPU seconds) at the start
-        self.seconds = 0.0
+        self._paused = 0  # pauses under way
+        self._pauses_begun = 0  # a tick that saw this change overlapped a pause
+        self.seconds = 0.0  # the window's wall time, pauses included
         self.stolen = 0.0
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
@@ -159,7 +164,7 @@ class LoopLag:
             return
         if phase == "start":
             self._gc_started = time.perf_counter()
-        else:
+        elif not self._paused:
             self.full_gc_pauses.append(time.perf_counter() - self._gc_started)
 
     async def _tick(self) -> None:
@@ -170,7 +175,10 @@ class LoopLag:
         try:
             while True:
                 started, waited = time.perf_counter(), _cpu_waited(schedstat)
+                pauses = self._pauses_begun
                 await asyncio.sleep(self.period)
+                if self._paused or self._pauses_begun != pauses:
+                    continue
                 now = time.perf_counter()
                 self.lags.append(max(0.0, now - started - self.period))
                 self.cpu_waits.append(_cpu_waited(schedstat) - waited)
@@ -178,6 +186,18 @@ class LoopLag:
         finally:
             if schedstat is not None:
                 schedstat.close()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Count no tick that overlaps this block, nor a full collection that ends in it: for a
+        harness's own work between the phases it measures (zeroing memory, dropping the page
+        cache), which is not the lag of what it measures."""
+        self._paused += 1
+        self._pauses_begun += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def __enter__(self) -> LoopLag:
         gc.callbacks.append(self._on_gc)
