@@ -46,6 +46,7 @@ stored are the same. Every copy and checksum here lets other threads run meanwhi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import itertools
@@ -279,6 +280,8 @@ _SEAL_HEADER = len(SEAL_MAGIC) + _SALT_BYTES + _NONCE_BYTES
 SEAL_OVERHEAD = _SEAL_HEADER + _TAG_BYTES
 #: Block keys of other writers' salts kept derived (a reader meets a few writers at a time).
 _READ_KEYS_KEPT = 256
+#: Block names kept computed: a batch's keys, and those of the requests in flight, many times over.
+_NAMES_KEPT = 8192
 _HKDF_SALT_NAMES = b"kvtier_async names v1"
 
 
@@ -306,7 +309,11 @@ class BlockSealer:
         self._namespace = namespace.encode()
         tag_key = _hkdf(secret, salt=_HKDF_SALT_NAMES, info=b"namespace tag")
         self.namespace_tag = hmac.new(tag_key, self._namespace, "sha256").digest()[:16]
-        self._name_key = _hkdf(secret, salt=_HKDF_SALT_NAMES, info=b"block names\0" + self._namespace)
+        name_key = _hkdf(secret, salt=_HKDF_SALT_NAMES, info=b"block names\0" + self._namespace)
+        self._name_hmac = hmac.new(name_key, digestmod="sha256")  # copied per name: keyed once
+        # A key's name is asked for again and again (a lookup, then the load or the store, which
+        # asks which keys are new first): the names of the most recent keys are kept. Thread-safe.
+        self._names_kept = functools.lru_cache(maxsize=_NAMES_KEPT)(self._keyed_name)
         self._salt = os.urandom(_SALT_BYTES)
         self._write_key = self._block_key(self._salt)
         self._nonces = itertools.count()  # next() is atomic: no nonce is handed out twice
@@ -335,7 +342,12 @@ class BlockSealer:
         return self.namespace_tag + payload_nbytes.to_bytes(8, "little") + key
 
     def name(self, key: bytes) -> bytes:
-        return hmac.new(self._name_key, key, "sha256").digest()
+        return self._names_kept(key)
+
+    def _keyed_name(self, key: bytes) -> bytes:
+        mac = self._name_hmac.copy()
+        mac.update(key)
+        return mac.digest()
 
     def value_nbytes(self, payload_nbytes: int) -> int:
         return SEAL_OVERHEAD + payload_nbytes
