@@ -38,7 +38,7 @@ async def baseline(
         if kind == "fs":
             what, store_s, store_lat, load_s, load_lat = await _raw_files(work, spec, groups, lag)
         elif kind == "memory":
-            what, store_s, store_lat, load_s, load_lat = await _raw_memory(spec, groups)
+            what, store_s, store_lat, load_s, load_lat = await _raw_memory(spec, groups, lag)
         elif kind == "redis":
             what, store_s, store_lat, load_s, load_lat = await _raw_redis(config, values, groups, limits, lag)
         else:
@@ -74,12 +74,17 @@ async def _raw_files(
         os.close(fd)
         return os.open(path, os.O_RDWR | os.O_DIRECT)
 
-    fd = await asyncio.to_thread(prepare)
-    # The same kind of memory as a primary tier's (huge pages where possible), so the ratio
-    # measures the tier's own costs, not the memory it reads into.
-    buffers = [memoryview(reserve_host_memory(stride * len(groups[0]))) for _ in groups]
-    for buffer in buffers:
-        buffer[:] = os.urandom(len(buffer))
+    def filled() -> list[memoryview]:
+        # The same kind of memory as a primary tier's (huge pages where possible), so the ratio
+        # measures the tier's own costs, not the memory it reads into.
+        buffers = [memoryview(reserve_host_memory(stride * len(groups[0]))) for _ in groups]
+        for buffer in buffers:
+            buffer[:] = os.urandom(len(buffer))
+        return buffers
+
+    with lag.paused():  # the set-up (on the loop, filling the buffers was a 1 s stall)
+        fd = await asyncio.to_thread(prepare)
+        buffers = await asyncio.to_thread(filled)
     with ThreadPoolExecutor(threads) as pool:
         loop = asyncio.get_running_loop()
 
@@ -98,8 +103,10 @@ async def _raw_files(
     return what, store_s, store_lat, load_s, load_lat
 
 
-async def _raw_memory(spec: OffloadingSpec, groups: list[list[int]]) -> tuple[Any, ...]:
-    source = torch.randint(0, 256, (sum(map(len, groups)), spec.block_nbytes), dtype=torch.uint8)
+async def _raw_memory(spec: OffloadingSpec, groups: list[list[int]], lag: LoopLag) -> tuple[Any, ...]:
+    shape = (sum(map(len, groups)), spec.block_nbytes)
+    with lag.paused():  # the set-up
+        source = await asyncio.to_thread(torch.randint, 0, 256, shape, dtype=torch.uint8)
     copies: dict[int, torch.Tensor] = {}
     threads = spec.limits.io_threads
     with ThreadPoolExecutor(threads) as pool:
