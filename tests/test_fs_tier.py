@@ -205,6 +205,36 @@ async def test_damaged_blocks_are_counted_misses(
 
 
 @pytest.mark.asyncio
+async def test_a_sealed_batch_of_hits_misses_and_forgeries_opens_each_into_its_own_slot(
+    tmp_path: Path, tier_secret_env: str
+) -> None:
+    """A sealed load checks and opens a batch in one job: every answer and every block must
+    still land at its own key's place, whatever lies before it in the batch."""
+    tier, primary = h.make_tier(str(tmp_path), secret_env=tier_secret_env)
+    keys = [h.key_for(i) for i in range(6)]
+    stored = [keys[1], keys[2], keys[4]]  # records 0, 1, 2 of the slab, in this order
+    async with tier:
+        assert await h.store_keys(tier, primary, stored) == [True] * 3
+    [slab] = await asyncio.to_thread(slab_files, tmp_path)
+    record = tier.record_bytes
+
+    def forge() -> None:  # a flipped byte in keys[2]'s sealed payload: it no longer authenticates
+        with open(slab, "r+b") as f:
+            f.seek(record + 4096 + 1000)
+            byte = f.read(1)[0]
+            f.seek(record + 4096 + 1000)
+            f.write(bytes([byte ^ 0x81]))
+
+    await asyncio.to_thread(forge)
+    tier, primary = h.make_tier(str(tmp_path), secret_env=tier_secret_env)
+    async with tier:
+        assert await h.load_and_check(tier, primary, keys) == [False, True, False, False, True, False]
+        assert tier.stats()["unauthenticated_blocks"] == 1
+        for slot in (0, 2, 3, 5):  # a miss leaves its slot as it was (zeroed by load_and_check)
+            assert not primary.buffer[slot].any()
+
+
+@pytest.mark.asyncio
 async def test_hostile_keys_stay_inside_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
     tier, primary = h.make_tier(str(root))

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from . import layout
 from .following import Following
 from .index import OtherSlab, OwnSlab, Record, SlabIndex
 from .layout import ENTRY, SEALED_NAMESPACE_LABEL, namespace_dir_name, record_bytes_for
-from .records import ReadJob, RecordIO, WriteJob
+from .records import ReadJob, ReadStatus, RecordIO, WriteJob
 from .room import Room
 from .slab_files import DEFAULT_CAPACITY_BYTES, SlabFiles, close_fd
 from .staging import STAGE_BYTES, address_of, pages_scattered
@@ -260,18 +261,17 @@ class FileSystemTier(SecondaryTierManager):
     async def read_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         # docstring inherited
         if not isinstance(self.codec, BlockSealer):
-            return await self._read_records(keys, blocks)
+            return (await self._read_records(keys, blocks))[0]
         sealer, results = self.codec, []
         pool = self._slots()
         for part in pool.parts(len(keys)):
             part_keys, part_blocks = keys[part], blocks[part]
             async with pool.borrowed(len(part_keys), self.record_bytes) as sealed:
                 names = [sealer.name(key) for key in part_keys]
-                found = await self._read_records(names, sealed)
-                nbytes = found.count(True) * self.stored_nbytes
-                opened = await self.run_cpu(
-                    nbytes, _open, sealer, part_keys, part_blocks, sealed, found, self.stored_nbytes
+                opener = partial(
+                    _open, sealer, part_keys, part_blocks, sealed, stored_nbytes=self.stored_nbytes
                 )
+                found, opened = await self._read_records(names, sealed, opener)
             self.counters["unauthenticated_blocks"] += sum(f and not o for f, o in zip(found, opened))
             self._remember(names, part_keys, opened)
             results += opened
@@ -354,8 +354,15 @@ class FileSystemTier(SecondaryTierManager):
             self.room.out_of_space()
         return results
 
-    async def _read_records(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
-        """`read_blocks` of index keys (names) into blocks in the records' memory."""
+    async def _read_records(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[memoryview],
+        then: Callable[[list[bool]], list[bool]] | None = None,
+    ) -> tuple[list[bool], list[bool]]:
+        """`read_blocks` of index keys (names) into blocks in the records' memory: per key, whether
+        its record arrived whole and checked; and what `then` makes of that list (a sealed
+        tier's opening), run in the same job on a CPU thread, so a batch queues there once."""
         await self.following.refresh_if_missing(keys)
         index = self.index
         jobs: list[tuple[int, bytes, Record, OwnSlab | OtherSlab]] = []
@@ -365,7 +372,7 @@ class FileSystemTier(SecondaryTierManager):
                 jobs.append((i, key, *pinned))
         results = [False] * len(keys)
         if not jobs:
-            return results
+            return results, results
         work: list[ReadJob] = [
             (slab.data_fd, where, index.entry[where][1], self._slot_offset(blocks[i]))
             for i, _, where, slab in jobs
@@ -374,7 +381,10 @@ class FileSystemTier(SecondaryTierManager):
             pieces = self.records.read_pieces(work)
             done = await self.scheduler.run_blocking_each(self.records.read_piece, pieces)
             got = self.records.arrived(len(work), pieces, done)
-            outcome = await self.scheduler.run_cpu(self.records.verify, work, got)
+            positions = [i for i, *_ in jobs]
+            outcome, after = await self.scheduler.run_cpu(
+                _checked, self.records, work, got, positions, len(keys), then
+            )
         finally:
             for _, _, where, slab in jobs:
                 close_fd(index.unpin(where, slab))
@@ -394,7 +404,7 @@ class FileSystemTier(SecondaryTierManager):
             self._removed([key])
         if corrupt:
             await self.run_blocking(self.records.log_deletions, corrupt)
-        return results
+        return results, results if after is None else after
 
     def hold(self, keys: Sequence[bytes]) -> list[bool]:
         # docstring inherited. A hold pins the record as a read in flight does (never evicted or
@@ -476,6 +486,25 @@ def _seal(
     sealer.seal_many(keys, blocks, [record[:stored_nbytes] for record in records])
     for record in records:
         record[stored_nbytes:] = bytes(len(record) - stored_nbytes)
+
+
+def _checked(
+    records: RecordIO,
+    work: list[ReadJob],
+    got: list[int],
+    positions: list[int],
+    keys: int,
+    then: Callable[[list[bool]], list[bool]] | None,
+) -> tuple[list[ReadStatus], list[bool] | None]:
+    """CPU thread: what arrived checked (`RecordIO.verify`), then, where there is a `then`, its
+    answer for which of the `keys` keys' records did (`positions`: each job's key)."""
+    status = records.verify(work, got)
+    if then is None:
+        return status, None
+    ok = [False] * keys
+    for position, s in zip(positions, status):
+        ok[position] = s == "ok"
+    return status, then(ok)
 
 
 def _open(
