@@ -205,11 +205,15 @@ async def test_damaged_blocks_are_counted_misses(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("opened", ["in-the-check-job", "on-the-loop"])
 async def test_a_sealed_batch_of_hits_misses_and_forgeries_opens_each_into_its_own_slot(
-    tmp_path: Path, tier_secret_env: str
+    tmp_path: Path, tier_secret_env: str, opened: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A sealed load checks and opens a batch in one job: every answer and every block must
-    still land at its own key's place, whatever lies before it in the batch."""
+    """A sealed load opens a batch in its check's job (a few small blocks: on the loop after
+    it): every answer and every block must land at its own key's place, whatever lies before
+    it in the batch."""
+    inline = 1 << 40 if opened == "on-the-loop" else 0
+    monkeypatch.setattr(kvtier_async.tiers.fs.tier, "INLINE_CPU_BYTES", inline)
     tier, primary = h.make_tier(str(tmp_path), secret_env=tier_secret_env)
     keys = [h.key_for(i) for i in range(6)]
     stored = [keys[1], keys[2], keys[4]]  # records 0, 1, 2 of the slab, in this order

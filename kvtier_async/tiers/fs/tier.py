@@ -32,6 +32,7 @@ from ...secret import load_tier_secret
 from ...slot_pool import SlotPool, for_batches_in_flight
 from ...spec import OffloadingSpec
 from ...tier import SecondaryTierManager
+from ...tier_resource import INLINE_CPU_BYTES
 from ...workers import wait_uncancellable
 from . import layout
 from .following import Following
@@ -382,8 +383,12 @@ class FileSystemTier(SecondaryTierManager):
             done = await self.scheduler.run_blocking_each(self.records.read_piece, pieces)
             got = self.records.arrived(len(work), pieces, done)
             positions = [i for i, *_ in jobs]
+            # A few small blocks are opened on the loop after their check instead: cheaper than on
+            # the CPU thread (64 KiB blocks, 8 a call, 12 rounds: loads 0.62x the unsealed tier's
+            # against 0.55x, 1.3 against 1.7 CPU s/GB).
+            in_job = then if len(jobs) * self.stored_nbytes > INLINE_CPU_BYTES else None
             outcome, after = await self.scheduler.run_cpu(
-                _checked, self.records, work, got, positions, len(keys), then
+                _checked, self.records, work, got, positions, len(keys), in_job
             )
         finally:
             for _, _, where, slab in jobs:
@@ -404,6 +409,8 @@ class FileSystemTier(SecondaryTierManager):
             self._removed([key])
         if corrupt:
             await self.run_blocking(self.records.log_deletions, corrupt)
+        if then is not None and after is None:
+            after = then(results)
         return results, results if after is None else after
 
     def hold(self, keys: Sequence[bytes]) -> list[bool]:
