@@ -110,8 +110,8 @@ async def measure_tier(
             )
             store_cpu = time.process_time() - cpu
             # Between the phases, the harness's work (not the tier's) is left out of the lag: on
-            # 2 cores the threads that zero 256 MiB stalled the loop more than any tick of the
-            # tier's. And off the loop: zeroing here was a 10 to 40 ms stall.
+            # 2 cores its ticks (up to 4.5 ms) were among a window's two worst in every fs round,
+            # so they set its p99. And off the loop: zeroing here was a 10 to 40 ms stall.
             with lag.paused():
                 await _forget_cached_pages(tier)
                 await asyncio.to_thread(primary.buffer.zero_)

@@ -191,10 +191,10 @@ class OffloadingSpec:
         # The CPU threads (copies, checksums, sealing) leave one core free. Busy on every core,
         # they left no idle CPU for the loop's wake-ups, which then queued behind the I/O
         # threads' and the kernel's own non-preemptible work. bench/secret_threads.py, 2 cores,
-        # the sealed fs tier (records at 43a6772, 994c25d, 244c535, 19d169e): loop-lag p99 1.1-1.9 ms with
-        # one thread, 1.4-3.1 ms with two. Cold loads are within 0.03x of two threads' since large
-        # blocks are read in parts (records.READ_PIECE_BYTES). The sealed Redis tier moved faster
-        # with one.
+        # the sealed fs tier (records at 43a6772, 994c25d, 244c535, 19d169e): loop-lag p99
+        # 1.1-1.9 ms with one thread, 1.4-3.1 ms with two. Cold loads are within 0.03x of two
+        # threads' since large blocks are read in parts (records.READ_PIECE_BYTES). The sealed
+        # Redis tier moved faster with one.
         copy_threads = self.copy_threads or max(1, min(4, cpus - 1))
         return SchedulerLimits(
             io_threads=io_threads,
