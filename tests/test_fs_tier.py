@@ -92,11 +92,9 @@ def files(root: Path, pattern: str = "*") -> list[Path]:
     return sorted(root.rglob(pattern))
 
 
-def damage_slab(root: Path, damage: str, victim: int) -> None:
-    from kvtier_async.tiers.fs.layout import record_bytes_for
-
+def damage_slab(root: Path, damage: str, victim: int, size: int = record_bytes_for(h.BLOCK_NBYTES)) -> None:
+    """Damage record `victim` (of `size` bytes: a sealed tier's are longer) of the one slab."""
     [slab] = slab_files(root)
-    size = record_bytes_for(h.BLOCK_NBYTES)
     if damage == "delete":
         slab.unlink()
         return
@@ -219,17 +217,8 @@ async def test_a_sealed_batch_of_hits_misses_and_forgeries_opens_each_into_its_o
     stored = [keys[1], keys[2], keys[4]]  # records 0, 1, 2 of the slab, in this order
     async with tier:
         assert await h.store_keys(tier, primary, stored) == [True] * 3
-    [slab] = await asyncio.to_thread(slab_files, tmp_path)
-    record = tier.record_bytes
-
-    def forge() -> None:  # a flipped byte in keys[2]'s sealed payload: it no longer authenticates
-        with open(slab, "r+b") as f:
-            f.seek(record + 4096 + 1000)
-            byte = f.read(1)[0]
-            f.seek(record + 4096 + 1000)
-            f.write(bytes([byte ^ 0x81]))
-
-    await asyncio.to_thread(forge)
+    # A flipped byte in keys[2]'s sealed payload (record 1): it no longer authenticates.
+    await asyncio.to_thread(damage_slab, tmp_path, "flip-payload", 1, tier.record_bytes)
     tier, primary = h.make_tier(str(tmp_path), secret_env=tier_secret_env)
     async with tier:
         assert await h.load_and_check(tier, primary, keys) == [False, True, False, False, True, False]
