@@ -363,7 +363,8 @@ class FileSystemTier(SecondaryTierManager):
     ) -> tuple[list[bool], list[bool]]:
         """`read_blocks` of index keys (names) into blocks in the records' memory: per key, whether
         its record arrived whole and checked; and what `then` makes of that list (a sealed
-        tier's opening), run in the same job on a CPU thread, so a batch queues there once."""
+        tier's opening), run in the check's job on a CPU thread, so a batch queues there once
+        (a read of 1 MiB or less: on the loop after the check)."""
         await self.following.refresh_if_missing(keys)
         index = self.index
         jobs: list[tuple[int, bytes, Record, OwnSlab | OtherSlab]] = []
