@@ -23,12 +23,15 @@ from .spec import SchedulerLimits
 __all__ = ["SlotPool", "for_batches_in_flight"]
 
 
-def for_batches_in_flight(limits: SchedulerLimits, slot_bytes: int, cap_bytes: int) -> SlotPool:
+def for_batches_in_flight(
+    limits: SchedulerLimits, slot_bytes: int, cap_bytes: int, *, min_slots: int = 1
+) -> SlotPool:
     """A pool with a slot for every block of every load and store the scheduler runs at once
-    (a batch each), within `cap_bytes`, and never less than one batch; slots page aligned."""
+    (a batch each), within `cap_bytes` unless that holds fewer than `min_slots`, and never less
+    than one batch; slots page aligned."""
     stride = -(-slot_bytes // 4096) * 4096
     in_flight = (limits.max_inflight_loads + limits.max_inflight_stores) * limits.batch_blocks
-    return SlotPool(max(limits.batch_blocks, min(in_flight, cap_bytes // stride)), stride)
+    return SlotPool(max(limits.batch_blocks, min(in_flight, max(min_slots, cap_bytes // stride))), stride)
 
 
 class SlotPool:

@@ -131,6 +131,41 @@ async def test_a_changed_byte_anywhere_in_a_large_block_is_a_counted_miss(
         assert tier.stats()["corrupt_blocks"] == 2
 
 
+@pytest.mark.asyncio
+async def test_a_sealed_call_larger_than_its_pool_goes_through_in_parts(
+    redis_server: servers.RedisServer, tier_secret_env: str
+) -> None:
+    # Sealed values pass through a pool of a few MiB (SEALED_POOL_BYTES): a call of more
+    # blocks than it holds is sealed and sent, then read and opened, a part at a time, each
+    # block at its own key's place.
+    calls = 600
+    spec = kt.OffloadingSpec(
+        block_nbytes=8192,
+        num_cpu_blocks=2 * calls,
+        namespace="pool-parts",
+        max_inflight_loads=1,
+        max_inflight_stores=1,
+    )
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    tier = kt.SecondaryTierFactory.create_secondary_tier(
+        config(redis_server.url, secret_env=tier_secret_env), primary.view, spec
+    )
+    async with tier:
+        keys = [make_key(i, b"parts") for i in range(calls)]
+        payloads = [random.Random(i).randbytes(spec.block_nbytes) for i in range(calls)]
+        for slot, payload in enumerate(payloads):
+            primary.slot_view(slot)[:] = payload
+        assert await tier.write_blocks(keys[:-1], [primary.slot_view(s) for s in range(calls - 1)]) == [
+            True
+        ] * (calls - 1)
+        slot_bytes = -(-tier.value_nbytes // 4096) * 4096  # a value's page-aligned slot
+        assert tier.stats()["sealed_pool_bytes"] < calls * slot_bytes  # so: in parts
+        into = [primary.slot_view(calls + s) for s in range(calls)]
+        assert await tier.read_blocks(keys, into) == [True] * (calls - 1) + [False]  # the last: never stored
+        assert [bytes(block) for block in into[:-1]] == payloads[:-1]
+        assert tier.stats()["unauthenticated_blocks"] == 0
+
+
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[servers.RedisServer]:
     """A Redis server of the test's own, which it may stop and start again."""
