@@ -155,9 +155,8 @@ async def test_a_sealed_call_larger_than_its_pool_goes_through_in_parts(
         payloads = [random.Random(i).randbytes(spec.block_nbytes) for i in range(calls)]
         for slot, payload in enumerate(payloads):
             primary.slot_view(slot)[:] = payload
-        assert await tier.write_blocks(keys[:-1], [primary.slot_view(s) for s in range(calls - 1)]) == [
-            True
-        ] * (calls - 1)
+        stored = await tier.write_blocks(keys[:-1], [primary.slot_view(s) for s in range(calls - 1)])
+        assert stored == [True] * (calls - 1)
         slot_bytes = -(-tier.value_nbytes // 4096) * 4096  # a value's page-aligned slot
         assert tier.stats()["sealed_pool_bytes"] < calls * slot_bytes  # so: in parts
         into = [primary.slot_view(calls + s) for s in range(calls)]

@@ -59,18 +59,21 @@ async def test_slots_go_to_callers_in_turn() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_cancelled_caller_loses_no_slot() -> None:
+async def test_a_cancelled_caller_loses_no_slot_and_holds_up_no_one() -> None:
     pool = SlotPool(2, 4096)
-    held = await pool.take(2)
-    waiting = asyncio.ensure_future(pool.take(2))
-    behind = asyncio.ensure_future(pool.take(1))
+    held = await pool.take(1)
+    waiting = asyncio.ensure_future(pool.take(2))  # needs both
+    behind = asyncio.ensure_future(pool.take(1))  # one is free, but it waits its turn
     await asyncio.sleep(0)
+    assert not waiting.done() and not behind.done()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
+    await asyncio.sleep(0)
+    assert behind.done()  # the free slot went on to the next caller at once
     pool.give(held)
-    assert len(await behind) == 1  # the cancelled caller no longer holds up the one behind it
-    assert len(await pool.take(1)) == 1  # and both slots are free again
+    pool.give(behind.result())
+    assert sorted(await pool.take(2)) == [0, 1]  # and no slot was lost
 
 
 @pytest.mark.asyncio
