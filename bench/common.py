@@ -28,6 +28,7 @@ __all__ = [
     "percentile",
     "round_ratios",
     "run",
+    "sealed_summary",
     "timed",
 ]
 
@@ -78,6 +79,22 @@ def round_ratios(
 ) -> list[float]:
     """Each round's ours[key] / baseline[base_key]."""
     return [a[key] / b[base_key] for a, b in zip(ours, baseline, strict=True)]
+
+
+def sealed_summary(rounds: dict[str, list[dict[str, Any]]], unsealed: str) -> dict[str, dict[str, float]]:
+    """Per variant of a tier (`measure_tier` results, round by round): the medians of its GB/s,
+    of each round's ratio to the `unsealed` variant's in the same round, and of loop-lag p99."""
+    out = {}
+    for name, runs in rounds.items():
+        medians = median_tree(runs)
+        row = {"lag_p99_ms": medians["loop_lag"]["p99_ms"]}
+        for side in ("store", "load"):
+            row[f"{side}_gbps"] = medians[side]["gbps"]
+            row[f"{side}_ratio"] = statistics.median(
+                a[side]["gbps"] / b[side]["gbps"] for a, b in zip(runs, rounds[unsealed], strict=True)
+            )
+        out[name] = row
+    return out
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:

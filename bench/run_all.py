@@ -133,6 +133,11 @@ def tier_secret(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def redis_sealed_pool(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/redis_sealed_pool.py", "--repeat", "10"]
+    return shlex.join(command), run_json(command)
+
+
 def secret_threads(args: argparse.Namespace) -> tuple[str, Any]:
     command = [PY, "bench/secret_threads.py", "--repeat", "16"]
     return shlex.join(command), run_json(command)
@@ -176,6 +181,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "lmcache_l2": lmcache_l2,
     "tier_secret": tier_secret,
     "secret_threads": secret_threads,
+    "redis_sealed_pool": redis_sealed_pool,
     "replay": replay,
     "eviction_policies": eviction_policies,
 }

@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import median_tree, run
+from common import run, sealed_summary
 
-from kvtier_async.benchmark import measure_tier, secret_ratios
+from kvtier_async.benchmark import measure_tier
 
 SECRET_ENV = "KVTIER_SECRET_THREADS_BENCH"
 
@@ -56,7 +56,7 @@ async def main() -> None:
                     if not out["exact"]:
                         sys.exit(f"{name}: the blocks loaded were not the blocks stored")
                     rounds[name].append(out)
-            results[f"{block_mib} MiB"] = summary(rounds)
+            results[f"{block_mib} MiB"] = sealed_summary(rounds, "unsealed")
             print(f"{blocks} x {block_mib} MiB blocks, {args.repeat} rounds:")
             for name, row in results[f"{block_mib} MiB"].items():
                 print(
@@ -67,20 +67,6 @@ async def main() -> None:
                 )
     if args.json:
         args.json.write_text(json.dumps(results))
-
-
-def summary(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Per variant: medians of GB/s, of the round's ratio to the unsealed tier, of loop-lag p99."""
-    unsealed = rounds["unsealed"]
-    out = {}
-    for name, runs in rounds.items():
-        medians, ratios = median_tree(runs), secret_ratios(runs, unsealed)
-        row = {"lag_p99_ms": medians["loop_lag"]["p99_ms"]}
-        for side in ("store", "load"):
-            row[f"{side}_gbps"] = medians[side]["gbps"]
-            row[f"{side}_ratio"] = ratios[f"secret_{side}_ratio"]
-        out[name] = row
-    return out
 
 
 if __name__ == "__main__":

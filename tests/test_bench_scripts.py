@@ -108,6 +108,17 @@ def test_secret_threads_bench_runs(tmp_path: Path) -> None:
     assert all(row["load_gbps"] > 0 and row["lag_p99_ms"] >= 0 for row in variants.values())
 
 
+@servers.needs_redis
+def test_redis_sealed_pool_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "pool.json"
+    args = ("--pool-mib", "1", "32", "--block-kib", "64", "--mib", "1", "--repeat", "2", "--json", out)
+    bench("redis_sealed_pool.py", *args)
+    variants = json.loads(out.read_text())["64 KiB"]
+    assert list(variants) == ["unsealed", "sealed, 1 MiB pool", "sealed, 32 MiB pool"]
+    assert variants["unsealed"]["store_ratio"] == variants["unsealed"]["load_ratio"] == 1.0
+    assert all(row["load_gbps"] > 0 and row["lag_p99_ms"] >= 0 for row in variants.values())
+
+
 def test_contention_bench_runs(tmp_path: Path) -> None:
     args = ("--block-kib", "64", "--store-batches", "2", "--loads", "4")
     summary = bench_records("contention.py", tmp_path, *args)
@@ -276,5 +287,5 @@ def test_run_all_describes_the_machine() -> None:
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
     recorders |= {"sglang_backend", "lmcache_l2", "fs_staging", "tier_secret", "replay"}
-    recorders |= {"eviction_policies", "secret_threads"}
+    recorders |= {"eviction_policies", "secret_threads", "redis_sealed_pool"}
     assert set(run_all.RECORDERS) == recorders

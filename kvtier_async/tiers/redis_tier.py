@@ -76,17 +76,16 @@ DEFAULT_MAX_VALUE_BYTES = 512 << 20
 READ_PIECE_BYTES = HEADER_BYTES + (1 << 20)
 
 #: With a secret (direct connections), sealed values are read into and built in a pool this
-#: small, so that a value is opened, or sent, while it is still in the CPU's cache. Loopback
-#: server, 2 cores, 256 MiB of 1 MiB blocks, 10 interleaved rounds of `measure_tier`: with 256
-#: MiB of slots every value had left the cache by the time its batch had landed, and sealed loads
-#: ran at 0.84x the unsealed tier's speed; 1.09x with the opening left out, but 0.89x with a
-#: plain copy in its place: the memory traffic, not AES, was the cost. 64 MiB: 0.97-1.00x,
-#: 32 MiB: 1.11-1.14x.
+#: small, so that a value is opened, or sent, while it is still in the CPU's cache. With 256
+#: MiB every value had left the cache by the time its batch had landed: on loopback and 2
+#: cores, sealed loads of 1 MiB blocks ran at 0.84x the unsealed tier's speed; in the same
+#: experiment 1.09x with the opening left out but 0.89x with a plain copy in its place, so the
+#: memory traffic, not AES, was the cost. `bench/redis_sealed_pool.py` measures pool sizes.
 SEALED_POOL_BYTES = 32 << 20
 
-#: ...and room for this many values at least. Values of several MiB have left the cache by
-#: the time they have landed whatever the pool's size (8 MiB blocks: 0.88-0.91x with 64 to 256
-#: MiB), and fewer values at the server at once kept it waiting (0.82x with 4).
+#: ...and room for this many values at least: values of several MiB have left the cache by
+#: the time they have landed whatever the pool's size, and with fewer at once (4 of 8 MiB:
+#: 0.82x) the server was kept waiting.
 SEALED_POOL_VALUES = 16
 
 #: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
