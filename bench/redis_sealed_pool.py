@@ -3,8 +3,8 @@
     python bench/redis_sealed_pool.py --pool-mib 32 64 256 --block-kib 1024 8192 --repeat 10
 
 The Redis tier (a local redis-server, started as the tests start them) without a secret,
-then with a tier secret and each `--pool-mib` as its `SEALED_POOL_BYTES` (the pool still
-holds at least `SEALED_POOL_VALUES` values), in the same rounds, the order rotating from
+then with a tier secret and each `--pool-mib` as its `SEALED_POOL_BYTES`, the pool's cap (it
+still holds at least `SEALED_POOL_VALUES` values), in the same rounds, the order rotating from
 round to round. Each round stores `--mib` MiB of random blocks and loads them back
 (`kvtier bench`'s measurement of one tier, requests of 8 blocks); the table gives, per
 variant, the medians of its store and load GB/s, of its ratio to the unsealed tier's in the
@@ -43,7 +43,7 @@ async def main() -> None:
     args = parser.parse_args()
     os.environ[SECRET_ENV] = os.urandom(32).hex()  # a fresh secret, never on the command line
     variants: list[tuple[str, int | None]] = [("unsealed", None)]
-    variants += [(f"sealed, {mib} MiB pool", mib) for mib in args.pool_mib]
+    variants += [(f"sealed, pool cap {mib} MiB", mib) for mib in args.pool_mib]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-pool-") as work:
         redis = servers.RedisServer(Path(work) / "redis")

@@ -114,7 +114,7 @@ def test_redis_sealed_pool_bench_runs(tmp_path: Path) -> None:
     args = ("--pool-mib", "1", "32", "--block-kib", "64", "--mib", "1", "--repeat", "2", "--json", out)
     bench("redis_sealed_pool.py", *args)
     variants = json.loads(out.read_text())["64 KiB"]
-    assert list(variants) == ["unsealed", "sealed, 1 MiB pool", "sealed, 32 MiB pool"]
+    assert list(variants) == ["unsealed", "sealed, pool cap 1 MiB", "sealed, pool cap 32 MiB"]
     assert variants["unsealed"]["store_ratio"] == variants["unsealed"]["load_ratio"] == 1.0
     assert all(row["load_gbps"] > 0 and row["lag_p99_ms"] >= 0 for row in variants.values())
 
