@@ -26,6 +26,7 @@ __all__ = [
     "median_tree",
     "paired_ratio",
     "percentile",
+    "print_variants",
     "round_ratios",
     "run",
     "sealed_summary",
@@ -95,6 +96,19 @@ def sealed_summary(rounds: dict[str, list[dict[str, Any]]], unsealed: str) -> di
             )
         out[name] = row
     return out
+
+
+def print_variants(title: str, summary: dict[str, dict[str, float]]) -> None:
+    """`sealed_summary`'s rows, a line each, under `title`."""
+    print(f"{title}:")
+    width = max(map(len, summary))
+    for name, row in summary.items():
+        print(
+            f"  {name:{width}} store {row['store_gbps']:.2f} GB/s {row['store_ratio']:.2f}x"
+            f"  load {row['load_gbps']:.2f} GB/s {row['load_ratio']:.2f}x"
+            f"  loop lag p99 {row['lag_p99_ms']:.2f} ms",
+            flush=True,
+        )
 
 
 async def timed(work: Callable[[], Awaitable[Any]]) -> float:

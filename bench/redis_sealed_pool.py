@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import run, sealed_summary
+from common import print_variants, run, sealed_summary
 
 import kvtier_async.tiers.redis_tier as redis_tier
 from kvtier_async.benchmark import measure_tier
@@ -64,14 +64,7 @@ async def main() -> None:
                             sys.exit(f"{name}: the blocks loaded were not the blocks stored")
                         rounds[name].append(out)
                 results[f"{kib} KiB"] = sealed_summary(rounds, "unsealed")
-                print(f"{blocks} x {kib} KiB blocks, {args.repeat} rounds:")
-                for name, row in results[f"{kib} KiB"].items():
-                    print(
-                        f"  {name:22} store {row['store_gbps']:.2f} GB/s {row['store_ratio']:.2f}x"
-                        f"  load {row['load_gbps']:.2f} GB/s {row['load_ratio']:.2f}x"
-                        f"  loop lag p99 {row['lag_p99_ms']:.2f} ms",
-                        flush=True,
-                    )
+                print_variants(f"{blocks} x {kib} KiB blocks, {args.repeat} rounds", results[f"{kib} KiB"])
         finally:
             await asyncio.to_thread(redis.stop)
     if args.json:

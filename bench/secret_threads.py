@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import run, sealed_summary
+from common import print_variants, run, sealed_summary
 
 from kvtier_async.benchmark import measure_tier
 
@@ -57,14 +57,9 @@ async def main() -> None:
                         sys.exit(f"{name}: the blocks loaded were not the blocks stored")
                     rounds[name].append(out)
             results[f"{block_mib} MiB"] = sealed_summary(rounds, "unsealed")
-            print(f"{blocks} x {block_mib} MiB blocks, {args.repeat} rounds:")
-            for name, row in results[f"{block_mib} MiB"].items():
-                print(
-                    f"  {name:18} store {row['store_gbps']:.2f} GB/s {row['store_ratio']:.2f}x"
-                    f"  load {row['load_gbps']:.2f} GB/s {row['load_ratio']:.2f}x"
-                    f"  loop lag p99 {row['lag_p99_ms']:.2f} ms",
-                    flush=True,
-                )
+            print_variants(
+                f"{blocks} x {block_mib} MiB blocks, {args.repeat} rounds", results[f"{block_mib} MiB"]
+            )
     if args.json:
         args.json.write_text(json.dumps(results))
 
