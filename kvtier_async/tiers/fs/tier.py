@@ -372,9 +372,9 @@ class FileSystemTier(SecondaryTierManager):
             pinned = index.pin(key)  # never evicted or reused while read
             if pinned is not None:
                 jobs.append((i, key, *pinned))
-        results = [False] * len(keys)
         if not jobs:
-            return results, results
+            nothing = [False] * len(keys)
+            return nothing, nothing
         work: list[ReadJob] = [
             (slab.data_fd, where, index.entry[where][1], self._slot_offset(blocks[i]))
             for i, _, where, slab in jobs
@@ -388,16 +388,15 @@ class FileSystemTier(SecondaryTierManager):
             # the CPU thread (64 KiB blocks, 8 a call, 12 rounds: loads 0.62x the unsealed tier's
             # against 0.55x, 1.3 against 1.7 CPU s/GB).
             in_job = then if len(jobs) * self.stored_nbytes > INLINE_CPU_BYTES else None
-            outcome, after = await self.scheduler.run_cpu(
+            outcome, results, after = await self.scheduler.run_cpu(
                 _checked, self.records, work, got, positions, len(keys), in_job
             )
         finally:
             for _, _, where, slab in jobs:
                 close_fd(index.unpin(where, slab))
         corrupt = []
-        for (i, key, where, _), status in zip(jobs, outcome):
+        for (_, key, where, _), status in zip(jobs, outcome):
             if status == "ok":
-                results[i] = True
                 continue
             if status == "error" or index.entry.get(where, (None,))[0] != key:
                 continue  # a fault, or forgotten meanwhile
@@ -503,16 +502,14 @@ def _checked(
     positions: list[int],
     keys: int,
     then: Callable[[list[bool]], list[bool]] | None,
-) -> tuple[list[ReadStatus], list[bool] | None]:
-    """CPU thread: what arrived checked (`RecordIO.verify`), then, where there is a `then`, its
-    answer for which of the `keys` keys' records did (`positions`: each job's key)."""
+) -> tuple[list[ReadStatus], list[bool], list[bool] | None]:
+    """CPU thread: what arrived checked (`RecordIO.verify`); per key of the `keys`, whether its
+    record did (`positions`: each job's key); and, where there is a `then`, its answer to that."""
     status = records.verify(work, got)
-    if then is None:
-        return status, None
     ok = [False] * keys
     for position, s in zip(positions, status):
         ok[position] = s == "ok"
-    return status, then(ok)
+    return status, ok, None if then is None else then(ok)
 
 
 def _open(
