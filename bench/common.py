@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from kvtier_async.benchmark import secret_ratios
 from kvtier_async.measure import LoopLag, freeze_startup_heap, median_bounds, median_tree, percentile
 from kvtier_async.measure import drop_page_cache as drop_cache
 
@@ -87,13 +88,11 @@ def sealed_summary(rounds: dict[str, list[dict[str, Any]]], unsealed: str) -> di
     of each round's ratio to the `unsealed` variant's in the same round, and of loop-lag p99."""
     out = {}
     for name, runs in rounds.items():
-        medians = median_tree(runs)
+        medians, ratios = median_tree(runs), secret_ratios(runs, rounds[unsealed])
         row = {"lag_p99_ms": medians["loop_lag"]["p99_ms"]}
         for side in ("store", "load"):
             row[f"{side}_gbps"] = medians[side]["gbps"]
-            row[f"{side}_ratio"] = statistics.median(
-                a[side]["gbps"] / b[side]["gbps"] for a, b in zip(runs, rounds[unsealed], strict=True)
-            )
+            row[f"{side}_ratio"] = ratios[f"secret_{side}_ratio"]
         out[name] = row
     return out
 
