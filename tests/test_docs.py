@@ -3,6 +3,7 @@ is what the saved benchmark records render to, and the README keeps its promises
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -57,7 +58,10 @@ def test_example_runs(where: str, page: Path, code: str, tmp_path: Path) -> None
         command = [sys.executable, "-c", code]
     else:  # a page's test file, run by pytest as its reader would
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", where.split(":")[-1]]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # Temporary files an example makes (`tempfile.mkdtemp`, as a reader's would) go under this
+    # test's own directory, which pytest removes, rather than piling up in /tmp.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert result.returncode == 0, f"{where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
