@@ -26,7 +26,7 @@ With a tier secret (`secret`), a block is *sealed* instead (`BlockSealer`): AES-
     offset  size  field
     0       8     magic b"KVTSEAL1"
     8       16    writer salt: the block key is HKDF-SHA256(secret, salt, namespace)
-    24      12    nonce: a counter, unique per writer salt
+    24      12    nonce: a counter below 2^32, unique per writer salt
     36      n     the payload, encrypted
     36+n    16    GCM tag over the payload and the associated data
                   (namespace tag, payload length, key)
@@ -34,9 +34,12 @@ With a tier secret (`secret`), a block is *sealed* instead (`BlockSealer`): AES-
 Each tier instance draws a fresh random 128-bit writer salt when it is made and counts its
 nonces from 0 under the key that salt derives, so a nonce never repeats under one key: by
 construction, not by chance (two instances draw the same salt with probability ~2^-128 a
-pair). Names are HMAC-SHA256 of the key under a key derived from the secret and the
-namespace; the namespace's own tag is an HMAC of its name. `block_codec` picks the plain
-or the sealed format for a tier; both answer the same calls (`BlockCodec`).
+pair). After 2^32 values under one salt (`SEALS_PER_SALT`: NIST SP 800-38D's bound on
+invocations of one GCM key with random nonces, kept though ours are counters) it draws a
+fresh salt, so no key ever seals more. Names are HMAC-SHA256 of the key under a key derived
+from the secret and the namespace; the namespace's own tag is an HMAC of its name.
+`block_codec` picks the plain or the sealed format for a tier; both answer the same calls
+(`BlockCodec`).
 
 A tier may send a value as pieces (the header, then the payload straight from the primary
 tier: `encode_header`) and read it back as pieces (ranges of it: `decode_pieces`); the bytes
@@ -278,6 +281,10 @@ _TAG_BYTES = 16
 _SEAL_HEADER = len(SEAL_MAGIC) + _SALT_BYTES + _NONCE_BYTES
 #: Bytes a sealed value holds beyond its payload.
 SEAL_OVERHEAD = _SEAL_HEADER + _TAG_BYTES
+#: Values sealed under one writer salt (one derived key) before the writer draws a fresh salt:
+#: NIST SP 800-38D's limit of 2^32 invocations of one GCM key with random nonces (ours are
+#: counters; the bound is kept anyway, by construction).
+SEALS_PER_SALT = 1 << 32
 #: Block keys of other writers' salts kept derived (a reader meets a few writers at a time).
 _READ_KEYS_KEPT = 256
 #: Block names kept computed: a batch's keys, and those of the requests in flight, many times over.
@@ -301,7 +308,9 @@ class BlockSealer:
     sealed = True
     failure_counter = "unauthenticated_blocks"
 
-    def __init__(self, secret: bytes, namespace: str) -> None:
+    def __init__(self, secret: bytes, namespace: str, *, seals_per_salt: int = SEALS_PER_SALT) -> None:
+        if not 1 <= seals_per_salt <= SEALS_PER_SALT:
+            raise ValueError(f"BlockSealer: seals_per_salt must be 1..{SEALS_PER_SALT}")
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         self._aesgcm = AESGCM
@@ -314,11 +323,15 @@ class BlockSealer:
         # A key's name is asked for again and again (a lookup, then the load or the store, which
         # asks which keys are new first): the names of the most recent keys are kept. Thread-safe.
         self._names_kept = functools.lru_cache(maxsize=_NAMES_KEPT)(self._keyed_name)
-        self._salt = os.urandom(_SALT_BYTES)
-        self._write_key = self._block_key(self._salt)
-        self._nonces = itertools.count()  # next() is atomic: no nonce is handed out twice
-        self._read_keys: dict[bytes, Any] = {self._salt: self._write_key}
-        self._read_keys_lock = threading.Lock()
+        self._seals_per_salt = seals_per_salt
+        # Every value sealed takes the next number (next() is atomic: none is handed out twice);
+        # number // seals_per_salt picks the writer salt, the rest is the nonce under it.
+        self._seals = itertools.count()
+        salt = os.urandom(_SALT_BYTES)
+        #: (which salt of this writer, the salt, its key): replaced whole, so read without a lock.
+        self._writer: tuple[int, bytes, Any] = (0, salt, self._block_key(salt))
+        self._read_keys: dict[bytes, Any] = {salt: self._writer[2]}
+        self._keys_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"BlockSealer(namespace_tag={self.namespace_tag.hex()})"
@@ -326,17 +339,40 @@ class BlockSealer:
     def _block_key(self, salt: bytes) -> Any:
         return self._aesgcm(_hkdf(self._secret, salt=salt, info=b"block key\0" + self._namespace))
 
+    def _write_key(self, turn: int) -> tuple[bytes, Any]:
+        """The salt and key of this writer's `turn` (seal number // seals_per_salt)."""
+        current = self._writer
+        if current[0] == turn:
+            return current[1], current[2]
+        salt = os.urandom(_SALT_BYTES)
+        key = self._block_key(salt)
+        with self._keys_lock:
+            if self._writer[0] < turn:  # the first to reach this turn: the writer moves on
+                self._writer = (turn, salt, key)
+                self._keep_read_key(salt, key)
+            elif self._writer[0] == turn:  # another thread moved it on meanwhile
+                return self._writer[1], self._writer[2]
+        # Either the writer's new salt, or (a thread that drew its number before the writer
+        # moved on past its turn) a salt of this one value's own: a fresh salt either way, so
+        # no (salt, nonce) pair is ever used twice.
+        return salt, key
+
     def _read_key(self, salt: bytes) -> Any:
-        with self._read_keys_lock:
+        with self._keys_lock:
             key = self._read_keys.get(salt)
         if key is None:
             key = self._block_key(salt)
-            with self._read_keys_lock:
-                if len(self._read_keys) >= _READ_KEYS_KEPT:  # forget the oldest other writer
-                    oldest = next(k for k in self._read_keys if k != self._salt)
-                    del self._read_keys[oldest]
-                self._read_keys[salt] = key
+            with self._keys_lock:
+                self._keep_read_key(salt, key)
         return key
+
+    def _keep_read_key(self, salt: bytes, key: Any) -> None:
+        """Keep `salt`'s key derived (under `_keys_lock`), forgetting the oldest other writer's."""
+        if len(self._read_keys) >= _READ_KEYS_KEPT:
+            own = self._writer[1]
+            oldest = next(k for k in self._read_keys if k != own)
+            del self._read_keys[oldest]
+        self._read_keys[salt] = key
 
     def _associated(self, key: bytes, payload_nbytes: int) -> bytes:
         return self.namespace_tag + payload_nbytes.to_bytes(8, "little") + key
@@ -358,9 +394,11 @@ class BlockSealer:
         n = len(payload)
         if len(into) != SEAL_OVERHEAD + n:
             raise ValueError(f"seal_into: {len(into)} bytes are not the {SEAL_OVERHEAD + n} of the value")
-        nonce = next(self._nonces).to_bytes(_NONCE_BYTES, "little")  # never 2^96 values in a process
-        into[:_SEAL_HEADER] = SEAL_MAGIC + self._salt + nonce
-        self._write_key.encrypt_into(nonce, payload, self._associated(key, n), into[_SEAL_HEADER:])
+        turn, count = divmod(next(self._seals), self._seals_per_salt)
+        salt, write_key = self._write_key(turn)
+        nonce = count.to_bytes(_NONCE_BYTES, "little")
+        into[:_SEAL_HEADER] = SEAL_MAGIC + salt + nonce
+        write_key.encrypt_into(nonce, payload, self._associated(key, n), into[_SEAL_HEADER:])
 
     def open_into(self, block: memoryview, value: memoryview, key: bytes) -> bool:
         """Whether `value` is the sealed block stored under `key`, with `block`'s length; then
