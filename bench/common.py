@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from kvtier_async.benchmark import secret_ratios
-from kvtier_async.measure import LoopLag, freeze_startup_heap, median_bounds, median_tree, percentile
+from kvtier_async.measure import (
+    LoopLag,
+    freeze_startup_heap,
+    median_bounds,
+    median_tree,
+    percentile,
+    taking_turns,
+)
 from kvtier_async.measure import drop_page_cache as drop_cache
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "run",
     "sealed_summary",
     "timed",
+    "variant_rounds",
 ]
 
 GB = 1e9
@@ -47,6 +56,7 @@ TIER_AGAINST_BASELINE = (
 )
 A = TypeVar("A")
 B = TypeVar("B")
+V = TypeVar("V")
 
 
 def add_size_arguments(parser: argparse.ArgumentParser, gib: float, moved: str) -> None:
@@ -81,6 +91,21 @@ def round_ratios(
 ) -> list[float]:
     """Each round's ours[key] / baseline[base_key]."""
     return [a[key] / b[base_key] for a, b in zip(ours, baseline, strict=True)]
+
+
+async def variant_rounds(
+    variants: list[tuple[str, V]], repeat: int, measure: Callable[[V], Awaitable[dict[str, Any]]]
+) -> dict[str, list[dict[str, Any]]]:
+    """Per variant name, its `measure` results (`measure_tier`'s) in `repeat` rounds, every
+    variant once a round, each going first in turn; exits if a variant loaded wrong bytes."""
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+    for r in range(repeat):
+        for name, value in taking_turns(variants, r):
+            out = await measure(value)
+            if not out["exact"]:
+                sys.exit(f"{name}: the blocks loaded were not the blocks stored")
+            rounds[name].append(out)
+    return rounds
 
 
 def sealed_summary(rounds: dict[str, list[dict[str, Any]]], unsealed: str) -> dict[str, dict[str, float]]:

@@ -19,10 +19,11 @@ import json
 import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import print_variants, run, sealed_summary
+from common import print_variants, run, sealed_summary, variant_rounds
 
 import kvtier_async.tiers.redis_tier as redis_tier
 from kvtier_async.benchmark import measure_tier
@@ -48,21 +49,19 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-pool-") as work:
         redis = servers.RedisServer(Path(work) / "redis")
         await asyncio.to_thread(redis.start)
+
+        async def measure(kib: int, blocks: int, pool_mib: int | None) -> dict[str, Any]:
+            config: dict[str, Any] = {"type": "redis", "url": redis.url}
+            if pool_mib is not None:
+                config["secret_env"] = SECRET_ENV
+                # Read when the tier opens, inside measure_tier: this variant's pool.
+                redis_tier.SEALED_POOL_BYTES = pool_mib << 20
+            return await measure_tier(config, kib << 10, blocks, 8, "pool")
+
         try:
             for kib in args.block_kib:
                 blocks = max(8, (args.mib << 10) // kib)
-                rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
-                for r in range(args.repeat):
-                    for name, pool_mib in variants[r % len(variants) :] + variants[: r % len(variants)]:
-                        config: dict[str, Any] = {"type": "redis", "url": redis.url}
-                        if pool_mib is not None:
-                            config["secret_env"] = SECRET_ENV
-                            # Read when the tier opens, inside measure_tier: this variant's pool.
-                            redis_tier.SEALED_POOL_BYTES = pool_mib << 20
-                        out = await measure_tier(config, kib << 10, blocks, 8, "pool")
-                        if not out["exact"]:
-                            sys.exit(f"{name}: the blocks loaded were not the blocks stored")
-                        rounds[name].append(out)
+                rounds = await variant_rounds(variants, args.repeat, partial(measure, kib, blocks))
                 results[f"{kib} KiB"] = sealed_summary(rounds, "unsealed")
                 print_variants(f"{blocks} x {kib} KiB blocks, {args.repeat} rounds", results[f"{kib} KiB"])
         finally:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import print_variants, run, sealed_summary
+from common import print_variants, run, sealed_summary, variant_rounds
 
 from kvtier_async.benchmark import measure_tier
 
@@ -41,21 +41,19 @@ async def main() -> None:
     variants += [(f"sealed, {n} thread{'s' if n > 1 else ''}", n) for n in args.threads]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-secret-threads-", dir=args.dir) as work:
+
+        async def measure(block_mib: int, blocks: int, threads: int | None) -> dict[str, Any]:
+            config: dict[str, Any] = {"type": "fs", "root": str(Path(work) / str(threads))}
+            fields = {}
+            if threads is not None:
+                config["secret_env"] = SECRET_ENV
+                fields["copy_threads"] = threads
+            request_blocks = max(1, 16 // block_mib)  # one 16 MiB batch per request, as kvtier bench
+            return await measure_tier(config, block_mib << 20, blocks, request_blocks, "t", **fields)
+
         for block_mib in args.block_mib:
             blocks = max(1, args.mib // block_mib)
-            request_blocks = max(1, 16 // block_mib)  # one 16 MiB batch per request, as kvtier bench
-            rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
-            for r in range(args.repeat):
-                for name, threads in variants[r % len(variants) :] + variants[: r % len(variants)]:
-                    config: dict[str, Any] = {"type": "fs", "root": str(Path(work) / str(threads))}
-                    fields = {}
-                    if threads is not None:
-                        config["secret_env"] = SECRET_ENV
-                        fields["copy_threads"] = threads
-                    out = await measure_tier(config, block_mib << 20, blocks, request_blocks, "t", **fields)
-                    if not out["exact"]:
-                        sys.exit(f"{name}: the blocks loaded were not the blocks stored")
-                    rounds[name].append(out)
+            rounds = await variant_rounds(variants, args.repeat, partial(measure, block_mib, blocks))
             results[f"{block_mib} MiB"] = sealed_summary(rounds, "unsealed")
             print_variants(
                 f"{blocks} x {block_mib} MiB blocks, {args.repeat} rounds", results[f"{block_mib} MiB"]

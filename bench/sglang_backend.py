@@ -52,7 +52,7 @@ import torch
 from sglang_env import HiCacheFile, backend_config, mha_pool, slots
 
 from kvtier_async.integrations.sglang import KVTierHiCacheStorage
-from kvtier_async.measure import drop_page_cache
+from kvtier_async.measure import drop_page_cache, taking_turns
 from kvtier_async.spec import OffloadingSpec
 
 GB = 1e9
@@ -214,7 +214,7 @@ def main() -> None:
             sides = ["kvtier", "file"] + (["raw"] if run_nbytes % 4096 == 0 else [])
             rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
             for r in range(args.repeat):
-                for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                for side in taking_turns(sides, r):
                     root = Path(work) / f"{side}-{r}"
                     if side == "kvtier":
                         rounds[side].append(kvtier_round(pool, pages, root, f"k{r}", case_config["path"]))

@@ -48,6 +48,7 @@ from .measure import (
     median_bounds,
     median_tree,
     rates,
+    taking_turns,
     timed_requests,
 )
 from .primary import PrimaryTier
@@ -248,7 +249,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                             measure_tier, sealed_config, block, blocks, config.request_blocks, f"{tag}-s"
                         )
                         sides.append((sealed_run, sealed_runs))
-                    for run, runs in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                    for run, runs in taking_turns(sides, r):
                         runs.append(await run())
                         bar.update()
                 measured = median_tree(measured_runs)

@@ -13,7 +13,9 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "GB",
@@ -24,10 +26,18 @@ __all__ = [
     "median_tree",
     "percentile",
     "rates",
+    "taking_turns",
     "timed_requests",
 ]
 
 GB = 1e9
+
+
+def taking_turns(sides: Sequence[T], round_: int) -> list[T]:
+    """`sides` in the order they run in round `round_`: each goes first in turn, so that none
+    always gets the fresher (or the more tired) machine."""
+    start = round_ % len(sides)
+    return [*sides[start:], *sides[:start]]
 
 
 def median_tree(runs: list[Any]) -> Any:

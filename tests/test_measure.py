@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from kvtier_async import measure
-from kvtier_async.measure import LoopLag
+from kvtier_async.measure import LoopLag, taking_turns
 
 #: How far the patched clock jumps: a "stall" no real tick comes near.
 JUMP_S = 1000.0
@@ -70,3 +70,14 @@ async def test_a_full_collection_in_a_pause_is_not_counted() -> None:
         gc.collect()
     assert in_pause == 0
     assert len(lag.full_gc_pauses) >= 1
+
+
+def test_taking_turns_puts_each_side_first_in_turn() -> None:
+    sides = ["a", "b", "c"]
+    assert [taking_turns(sides, r) for r in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+    assert sides == ["a", "b", "c"]  # left as it was
