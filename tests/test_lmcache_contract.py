@@ -11,11 +11,14 @@ test_l2_adapter`) runs over ours and, as the control, over its mock adapter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,9 +71,34 @@ NOT_THE_CONTRACT = {
 USAGE_TESTS = {name for name in NOT_THE_CONTRACT[MOCK] if "get_usage" in name}
 
 
-def run_lmcache_tests(
+#: LMCache's check mode: keys stored and loaded, and the lines its verdicts are on.
+CHECK_KEYS = 16
+CHECKED = ["correctly absent", "Batch store OK", "found", "Validation (loaded)", "Validation (content)"]
+
+#: LMCache's runs under way at once. A run is mostly its tests polling and waiting (the storage
+#: manager's 29 tests: 42 s, 12 s of it on a CPU), so the module's 22 runs share a few lanes
+#: rather than going one after another: on 2 cores, 4.4 minutes one by one, 2.4 in 4 lanes.
+LANES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One pytest or check-mode process of LMCache's, and where it runs."""
+
+    command: list[str]
+    env: dict[str, str] | None = None
+    cwd: Path | None = None
+
+    def __call__(self) -> tuple[int, str]:
+        done = subprocess.run(
+            self.command, cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=600
+        )
+        return done.returncode, done.stdout + done.stderr
+
+
+def lmcache_test_run(
     test_file: str, root: Path, *, ours: bool, tier: str = "fs", capacity: int | None = None, only: str = ""
-) -> tuple[int, str]:
+) -> Run:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
     if test_file == STORAGE_MANAGER:
         command += ["-p", "lmcache_cpu"]
@@ -87,8 +115,76 @@ def run_lmcache_tests(
         "KVTIER_LMCACHE_ROOT": str(root),
         "KVTIER_LMCACHE_CAPACITY": str(capacity or ""),
     }
-    done = subprocess.run(command, cwd=SOURCE, env=env, capture_output=True, text=True, timeout=600)
-    return done.returncode, done.stdout + done.stderr
+    return Run(command, env, SOURCE)
+
+
+def check_mode_run(tier: str, obj_size: int | None, root: Path, redis_url: Callable[[], str]) -> Run:
+    """`python -m lmcache.v1.basic_check --mode test_l2_adapter` over our adapter on `tier`, or
+    over LMCache's mock adapter for the "control"."""
+    if tier == "control":
+        spec: dict[str, object] = {"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 100}
+    else:
+        config: dict[str, object] = {"type": "fs", "root": str(root / "kv")}
+        if tier == "redis":
+            config = {"type": "redis", "url": redis_url(), "prefix": f"check-{root.name}"}
+        spec = {
+            "type": "plugin",
+            "module_path": "kvtier_async.integrations.lmcache",
+            "class_name": "KVTierL2Adapter",
+            "adapter_params": {"tier": config},
+        }
+    command = [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter"]
+    command += ["--l2-adapter", json.dumps(spec), "--num-keys", str(CHECK_KEYS)]
+    if obj_size is not None:
+        command += ["--obj-size", str(obj_size)]
+    return Run(command)
+
+
+def planned_run(item: pytest.Item, root: Path, redis_url: Callable[[], str]) -> Run:
+    """The run a test of this module checks, from its name and parameters."""
+    callspec = getattr(item, "callspec", None)
+    param = callspec.params if callspec is not None else {}
+    name = getattr(item, "originalname", item.name)
+    if name == "test_lmcaches_own_adapter_passes_them_as_the_control":
+        return lmcache_test_run(param["test_file"], root, ours=False)
+    if name == "test_ours_passes_lmcaches_adapter_tests":
+        where = redis_url() if param["tier"] == "redis" else "fs"
+        return lmcache_test_run(param["test_file"], root, ours=True, tier=where)
+    if name == "test_with_a_declared_capacity_lmcaches_usage_tests_pass":
+        return lmcache_test_run(MOCK, root, ours=True, capacity=64 << 20, only="TestEvictionInterface")
+    if name == "test_lmcaches_check_mode_for_l2_adapters":
+        return check_mode_run(param["tier"], param["obj_size"], root, redis_url)
+    raise LookupError(f"no LMCache run for {item.nodeid}")
+
+
+@pytest.fixture(scope="module")
+def lmcache_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[tuple[int, str]]]]:
+    """Every selected test's run, all started at the module's first test, `LANES` at a time,
+    the storage manager's (the longest) first: by test id, its exit code and output."""
+    mine = [item for item in request.session.items if item.path == request.path]
+    mine.sort(key=lambda item: STORAGE_MANAGER not in item.nodeid)
+
+    def redis_url() -> str:
+        return str(request.getfixturevalue("redis_server").url)
+
+    pool = ThreadPoolExecutor(LANES, thread_name_prefix="lmcache-run")
+    try:
+        yield {
+            item.nodeid: pool.submit(planned_run(item, tmp_path_factory.mktemp("lmcache"), redis_url))
+            for item in mine
+        }
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def lmcache_run(
+    lmcache_runs: dict[str, Future[tuple[int, str]]], request: pytest.FixtureRequest
+) -> tuple[int, str]:
+    """This test's run, once it has ended: its exit code and output."""
+    return lmcache_runs[request.node.nodeid].result()
 
 
 def passed(output: str) -> int:
@@ -97,8 +193,10 @@ def passed(output: str) -> int:
 
 
 @pytest.mark.parametrize("test_file", list(FILES))
-def test_lmcaches_own_adapter_passes_them_as_the_control(test_file: str, tmp_path: Path) -> None:
-    code, output = run_lmcache_tests(test_file, tmp_path, ours=False)
+def test_lmcaches_own_adapter_passes_them_as_the_control(
+    test_file: str, lmcache_run: tuple[int, str]
+) -> None:
+    code, output = lmcache_run
     assert code == 0, output[-3000:]
     assert "kvtier_swap" not in output
 
@@ -106,63 +204,40 @@ def test_lmcaches_own_adapter_passes_them_as_the_control(test_file: str, tmp_pat
 @pytest.mark.parametrize("tier", ["fs", "redis"])
 @pytest.mark.parametrize("test_file", list(FILES))
 def test_ours_passes_lmcaches_adapter_tests(
-    test_file: str, tier: str, request: pytest.FixtureRequest, tmp_path: Path
+    test_file: str,
+    tier: str,
+    lmcache_run: tuple[int, str],
 ) -> None:
-    where = request.getfixturevalue("redis_server").url if tier == "redis" else "fs"
-    code, output = run_lmcache_tests(test_file, tmp_path, ours=True, tier=where)
+    code, output = lmcache_run
     assert code == 0, output[-3000:]
     assert f"the adapter under test is KVTierL2Adapter over {tier}" in output, output[-3000:]
     assert passed(output) >= FILES[test_file], output[-3000:]
 
 
-def test_with_a_declared_capacity_lmcaches_usage_tests_pass(tmp_path: Path) -> None:
+def test_with_a_declared_capacity_lmcaches_usage_tests_pass(lmcache_run: tuple[int, str]) -> None:
     """A tier config with `capacity_bytes`: the adapter reports it, and LMCache's own
     `TestEvictionInterface` (its three usage tests included) passes; without one, those three
     are deselected above, as LMCache's fs adapter reports no capacity either."""
-    code, output = run_lmcache_tests(
-        MOCK, tmp_path, ours=True, capacity=64 << 20, only="TestEvictionInterface"
-    )
+    code, output = lmcache_run
     assert code == 0, output[-3000:]
     assert passed(output) >= 3 + len(USAGE_TESTS), output[-3000:]
-
-
-CHECKED = ["correctly absent", "Batch store OK", "found", "Validation (loaded)", "Validation (content)"]
 
 
 @pytest.mark.parametrize("obj_size", [None, 512 << 10])  # LMCache's default (1024 bf16: 2 KiB), 1 MiB
 @pytest.mark.parametrize("tier", ["control", "fs", "redis"])
 def test_lmcaches_check_mode_for_l2_adapters(
-    tier: str, obj_size: int | None, request: pytest.FixtureRequest, tmp_path: Path
+    tier: str, obj_size: int | None, lmcache_run: tuple[int, str]
 ) -> None:
     """`python -m lmcache.v1.basic_check --mode test_l2_adapter`, LMCache's own check of an L2
     adapter built from a user's `--l2-adapter` JSON: lookups of absent keys, a batch store,
     lookups, loads compared byte for byte. It prints its verdicts and exits 0 either way, so its
     lines are read; LMCache's mock adapter goes through the same check as the control."""
-    if tier == "control":
-        spec: dict[str, object] = {"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 100}
-    else:
-        config: dict[str, object] = {"type": "fs", "root": str(tmp_path / "kv")}
-        if tier == "redis":
-            url = request.getfixturevalue("redis_server").url
-            config = {"type": "redis", "url": url, "prefix": f"check-{tmp_path.name}"}
-        spec = {
-            "type": "plugin",
-            "module_path": "kvtier_async.integrations.lmcache",
-            "class_name": "KVTierL2Adapter",
-            "adapter_params": {"tier": config},
-        }
-    keys = 16
-    command = [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter"]
-    command += ["--l2-adapter", json.dumps(spec), "--num-keys", str(keys)]
-    if obj_size is not None:
-        command += ["--obj-size", str(obj_size)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
+    code, output = lmcache_run
+    assert code == 0, output[-3000:]
     assert "Test Failed" not in output and "FAIL" not in output, output[-3000:]
     assert "KVTierL2Adapter" in output if tier != "control" else "MockL2Adapter" in output
     for what in CHECKED:
         verdict = next((line for line in output.splitlines() if what in line), "")
         assert verdict, f"no {what!r} line in:\n{output[-3000:]}"
         if "/" in verdict:
-            assert re.search(rf"\b{keys}/{keys}\b", verdict), verdict
+            assert re.search(rf"\b{CHECK_KEYS}/{CHECK_KEYS}\b", verdict), verdict
