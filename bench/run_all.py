@@ -129,7 +129,7 @@ def kvtier_bench(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def tier_secret(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/tier_secret.py", "--repeat", "12"]
+    command = [PY, "bench/tier_secret.py", "--repeat", "24"]
     return shlex.join(command), run_json(command)
 
 
