@@ -124,6 +124,7 @@ async def measure_tier(
         stats = tier.stats()
         exact = bool(torch.equal(primary.buffer, expected))
         await tier.delete(keys)  # a shared tier keeps nothing of the benchmark
+    await _remove_namespace_directory(tier)
     nbytes = blocks * block_nbytes
     # The CPU time of this process's threads (not a server's) per GB moved: what sealing costs
     # where throughput alone would hide it behind another bottleneck, or in the noise.
@@ -141,6 +142,17 @@ async def _forget_cached_pages(tier: SecondaryTierManager) -> None:
     root = getattr(tier, "directory", None)
     if isinstance(root, Path):
         await asyncio.to_thread(drop_page_cache, root)
+
+
+async def _remove_namespace_directory(tier: SecondaryTierManager) -> None:
+    """Once a round's tier is closed, its directory if it has one (the fs tier's namespace: the
+    round's own, every round having a fresh namespace). Deleted blocks leave their slab files
+    for the namespace to reuse, and no later round does: each round of 256 MiB left 512 MiB
+    (its slab and the next, made ahead), and 24 rounds of bench/tier_secret.py filled the
+    46 GB the disk had free."""
+    directory = getattr(tier, "directory", None)
+    if isinstance(directory, Path):
+        await asyncio.to_thread(shutil.rmtree, directory)
 
 
 async def _measure_pipeline(
@@ -195,6 +207,7 @@ async def _measure_pipeline(
         out["load_pipeline_s"], _ = await timed_requests([load])
         out["loaded_blocks"] = float(loaded[0])
         await cache.tiers[0].delete(keys + others)  # a shared tier keeps nothing of the benchmark
+    await _remove_namespace_directory(cache.tiers[0])
     out["store_ratio"] = out["store_pipeline_s"] / max(out["store_copy_s"], out["store_io_s"])
     out["load_ratio"] = out["load_pipeline_s"] / max(out["load_copy_s"], out["load_io_s"])
     return out

@@ -5,9 +5,10 @@ concurrency as a tier, with the plainest code for its backend (see `benchmark`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -85,7 +86,7 @@ async def _raw_files(
     with lag.paused():  # the set-up (on the loop, filling the buffers was a 1 s stall)
         fd = await asyncio.to_thread(prepare)
         buffers = await asyncio.to_thread(filled)
-    with ThreadPoolExecutor(threads) as pool:
+    async with _thread_pool(threads) as pool:
         loop = asyncio.get_running_loop()
 
         def io(fn: Callable[..., Any], n: int) -> Callable[[], Awaitable[Any]]:
@@ -99,8 +100,19 @@ async def _raw_files(
             load_s, load_lat = await timed_requests([io(os.preadv, n) for n in range(len(groups))])
         finally:
             os.close(fd)
+            await asyncio.to_thread(path.unlink)  # each round's file: the rounds' would add up
     what = f"O_DIRECT pwritev/preadv, one file, {threads} threads"
     return what, store_s, store_lat, load_s, load_lat
+
+
+@contextlib.asynccontextmanager
+async def _thread_pool(threads: int) -> AsyncIterator[ThreadPoolExecutor]:
+    """Threads for a baseline's calls, shut down (joined) off the event loop at the end."""
+    pool = ThreadPoolExecutor(threads)
+    try:
+        yield pool
+    finally:
+        await asyncio.to_thread(pool.shutdown)
 
 
 async def _raw_memory(spec: OffloadingSpec, groups: list[list[int]], lag: LoopLag) -> tuple[Any, ...]:
@@ -109,7 +121,7 @@ async def _raw_memory(spec: OffloadingSpec, groups: list[list[int]], lag: LoopLa
         source = await asyncio.to_thread(torch.randint, 0, 256, shape, dtype=torch.uint8)
     copies: dict[int, torch.Tensor] = {}
     threads = spec.limits.io_threads
-    with ThreadPoolExecutor(threads) as pool:
+    async with _thread_pool(threads) as pool:
         loop = asyncio.get_running_loop()
 
         def store(group: list[int]) -> None:

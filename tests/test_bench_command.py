@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from kvtier_async.benchmark import format_table
 from kvtier_async.cli import main
+from kvtier_async.raw_baselines import baseline as raw_baseline
 
 RATES = {"gbps", "blocks_per_s", "p50_ms", "p99_ms", "seconds"}
 
@@ -67,6 +70,33 @@ def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixt
     older = format_table(result)
     assert "the ratio of the two sides' medians" in older and "sealed/unsealed" not in older
     assert not any(tmp_path.glob("kvtier-bench-*")), "temporary files left behind"
+
+
+def test_bench_leaves_nothing_in_an_fs_root_it_is_given(tmp_path: Path) -> None:
+    """Each round's namespace (sealed and not, and the pipeline's) is removed once measured:
+    deleting its blocks alone leaves their slab files behind in the user's root."""
+    root = tmp_path / "root"
+    (tmp_path / "work").mkdir()
+    tiers = json.dumps([{"type": "fs", "root": str(root)}])
+    argv = ["bench", "--tiers", tiers, "--block-kib", "64", "--mib", "1", "--repeat", "2"]
+    argv += ["--dir", str(tmp_path / "work"), "--json", str(tmp_path / "bench.json"), "--no-progress"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert "with_secret" in result["cases"][0] and result["pipelines"]  # every kind of round ran
+    assert root.is_dir() and not any(root.iterdir())
+    assert not any((tmp_path / "work").iterdir())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["fs", "memory"])
+async def test_the_raw_baselines_leave_no_file_and_never_block_the_loop(kind: str, tmp_path: Path) -> None:
+    """The fs baseline's file removed once measured (the rounds' files added up on the disk),
+    and every baseline's threads joined off the event loop (the blocking-call detector watches)."""
+    work = tmp_path / "raw"
+    out = await raw_baseline({"type": kind}, 64 << 10, 16, 4, work)
+    assert out["store"]["gbps"] > 0 and out["load"]["gbps"] > 0
+    if kind == "fs":
+        assert await asyncio.to_thread(os.listdir, work) == []
 
 
 def test_bench_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
