@@ -55,6 +55,7 @@ from .primary import PrimaryTier
 from .raw_baselines import baseline as raw_baseline
 from .spec import OffloadingSpec
 from .tier import SecondaryTierManager
+from .tiers.fs import FileSystemTier
 
 __all__ = ["BenchConfig", "format_table", "measure_tier", "run_bench", "save_plot", "secret_ratios"]
 
@@ -145,14 +146,13 @@ async def _forget_cached_pages(tier: SecondaryTierManager) -> None:
 
 
 async def _remove_namespace_directory(tier: SecondaryTierManager) -> None:
-    """Once a round's tier is closed, its directory if it has one (the fs tier's namespace: the
-    round's own, every round having a fresh namespace). Deleted blocks leave their slab files
-    for the namespace to reuse, and no later round does: each round of 256 MiB left 512 MiB
-    (its slab and the next, made ahead), and 24 rounds of bench/tier_secret.py filled the
-    46 GB the disk had free."""
-    directory = getattr(tier, "directory", None)
-    if isinstance(directory, Path):
-        await asyncio.to_thread(shutil.rmtree, directory)
+    """Once a round's fs tier is closed, its namespace directory: the round's own, every round
+    having a fresh namespace. Deleted blocks leave their slab files for the namespace to reuse,
+    and no later round does: each round of 256 MiB left 512 MiB (its slab and the next, made
+    ahead), and 24 rounds of bench/tier_secret.py filled the 46 GB the disk had free. Only our
+    own fs tier's: another tier's `directory` may be all it holds."""
+    if isinstance(tier, FileSystemTier):
+        await asyncio.to_thread(shutil.rmtree, tier.directory)
 
 
 async def _measure_pipeline(
