@@ -146,11 +146,13 @@ async def _forget_cached_pages(tier: SecondaryTierManager) -> None:
 
 
 async def _remove_namespace_directory(tier: SecondaryTierManager) -> None:
-    """Once a round's fs tier is closed, its namespace directory: the round's own, every round
-    having a fresh namespace. Deleted blocks leave their slab files for the namespace to reuse,
-    and no later round does: each round of 256 MiB left 512 MiB (its slab and the next, made
-    ahead), and 24 rounds of bench/tier_secret.py filled the 46 GB the disk had free. Only our
-    own fs tier's: another tier's `directory` may be all it holds."""
+    """Once a round's fs tier is closed, its namespace directory: the benchmark's own namespace
+    (`kvtier-bench-<tag>`), whose blocks the round has just deleted. Deleted blocks leave their
+    slab files for the namespace to reuse, and `run_bench` gives every round a fresh namespace:
+    each round of 256 MiB left 512 MiB (its slab and the next, made ahead), and 24 rounds of
+    bench/tier_secret.py filled the 46 GB the disk had free. So every round starts from no
+    files, whatever its tag. Only our own fs tier's: another tier's `directory` may be all it
+    holds."""
     if isinstance(tier, FileSystemTier):
         await asyncio.to_thread(shutil.rmtree, tier.directory)
 
