@@ -384,6 +384,7 @@ class _ThreadCopies:
         if mark is not None:  # device blocks, host memory not pinned: wait for their producer
             mark.synchronize()
         host, parts, copy = self._host_side()
+        block_nbytes = self.primary.block_nbytes
         for device_first, slot_first, count in runs:
             rows = host[slot_first : slot_first + count]
             for part, offset, width in parts:
@@ -392,6 +393,11 @@ class _ThreadCopies:
                     copy(rows[:, offset : offset + width], device)
                 else:
                     copy(device, rows[:, offset : offset + width])
+            if direction == TO_HOST:
+                # The parts fill a slot's first block_nbytes only, and tiers may write whole
+                # strides: padding left from the slot's last use (a failed load's disk bytes)
+                # must not go out with this block. The CUDA path's zeroed staging rows do this.
+                rows[:, block_nbytes:] = 0
 
     def _host_side(self) -> tuple[Any, list[tuple[Any, int, int]], Callable[[Any, Any], Any]]:
         """(primary buffer, layer parts, copy(into, source)): numpy arrays and `numpy.copyto`,

@@ -223,3 +223,25 @@ async def test_a_cancelled_call_raises_its_cancellation_even_when_a_queued_copy_
     with pytest.raises(asyncio.CancelledError):
         await task
     assert backend.running == 0
+
+
+@pytest.mark.asyncio
+async def test_a_cpu_store_zeroes_the_slot_padding_whatever_was_there() -> None:
+    """A slot's bytes past `block_nbytes` reach a tier with the block (the fs tier writes whole
+    strides): after a failed cold load left disk bytes there, the next store into that slot must
+    not carry them out again."""
+    layers = [torch.randint(0, 256, (6, width), dtype=torch.uint8) for width in (300, 604)]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=4)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    assert primary.stride > spec.block_nbytes  # there is padding to check
+    primary.buffer.fill_(0xA5)  # what a failed load (or any earlier use) may leave in every slot
+    engine = CopyEngine(layers, primary, threads=1)
+    await engine.to_host([0, 1, 4], [2, 3, 0])
+    for slot, device_id in zip([2, 3, 0], [0, 1, 4]):
+        row = primary.buffer[slot]
+        assert torch.equal(row[:300], layers[0][device_id]) and torch.equal(
+            row[300:904], layers[1][device_id]
+        )
+        assert not row[904:].any(), f"slot {slot}: stale padding would be stored"
+    assert (primary.buffer[1] == 0xA5).all()  # a slot no store touched keeps its bytes
+    engine.close()
