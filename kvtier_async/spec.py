@@ -224,12 +224,13 @@ class OffloadingSpec:
         here is one whole row (every worker's bytes, then the padding vLLM adds to reach its page
         size), so tiers move rows byte for byte. vLLM aligns rows to the host page size, which is
         a multiple of our 4096, so `block_stride` is the row stride. The namespace is the model
-        name plus a digest of everything that decides a row's bytes (dtype, tokens per block and
-        hash, blocks per chunk, bytes per chunk, KV layout, and the parallel layout unless vLLM
-        declares the bytes parallelism-agnostic): two models, or one model with another dtype or
-        layout, never share blocks, while data-parallel replicas of one engine do. `limits` are
-        the scheduler sizing fields (`io_threads`, `max_inflight_loads`, ...). The vLLM spec is
-        kept in `vllm_config`.
+        name plus a digest of everything that decides a row's bytes (`vllm_namespace`: dtype,
+        each KV-cache group's layer names, tokens per block and window, tokens per hash, blocks
+        per chunk, bytes per chunk, KV layout, and the parallel layout unless vLLM declares the
+        bytes parallelism-agnostic): two models, or one model with another dtype, group layout
+        or parallel layout, never share blocks, while data-parallel replicas of one engine do.
+        `limits` are the scheduler sizing fields (`io_threads`, `max_inflight_loads`, ...). The
+        vLLM spec is kept in `vllm_config`.
         """
         try:
             view = memoryview(primary_kv_view)
@@ -327,8 +328,34 @@ def _vllm_tokens_per_chunk(vllm_spec: Any) -> int:
     return tokens * blocks_per_chunk
 
 
+def _vllm_group_layout(group: Any) -> dict[str, Any]:
+    """What one KV-cache group contributes to a row's bytes.
+
+    A row keyed with this group's index holds one block of each of the group's layers, in the
+    order of `layer_names` (vLLM's worker copies `group_data_refs` in that order), so the names
+    and their order decide the bytes: two engines whose groups hold other layers, even as many,
+    must not share rows. vLLM's own fs tier hashes the same names into its path.
+    """
+    names = _vllm_field(group, "layer_names")
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise ConfigError(f"from_vllm: a group's layer_names must be a sequence of str, got {names!r}")
+    return {
+        "group_id": _vllm_field(group, "group_id"),
+        "tokens_per_block": _vllm_field(group, "tokens_per_block"),
+        "sliding_window_size_in_chunks": _vllm_field(group, "sliding_window_size_in_chunks"),
+        "layer_names": list(names),
+    }
+
+
 def vllm_namespace(vllm_spec: Any, row_stride: int) -> str:
-    """The namespace of a vLLM engine's blocks: its model name and a digest of their byte layout."""
+    """The namespace of a vLLM engine's blocks: its model name and a digest of their byte layout.
+
+    The digest covers everything vLLM's `OffloadingConfig` holds that decides a row's bytes: the
+    KV dtype, per group its index, tokens per block, sliding window and layer names in order, the
+    bytes of one block per worker, tokens per hash, blocks per chunk, the row's bytes and stride,
+    the KV and canonical layout, replication, and the parallel layout unless vLLM declares the
+    bytes parallelism-agnostic.
+    """
     model = _vllm_field(vllm_spec, "config.model.name")
     if not isinstance(model, str) or not model:
         raise ConfigError(f"from_vllm: config.model.name must be a non-empty str, got {model!r}")
@@ -340,10 +367,8 @@ def vllm_namespace(vllm_spec: Any, row_stride: int) -> str:
         "blocks_per_chunk": _vllm_field(vllm_spec, "blocks_per_chunk"),
         "kv_bytes_per_chunk": _vllm_field(vllm_spec, "kv_bytes_per_chunk"),
         "row_stride": row_stride,
-        "groups": [
-            [g.group_id, g.tokens_per_block, g.sliding_window_size_in_chunks, len(g.layer_names)]
-            for g in _vllm_field(vllm_spec, "config.groups")
-        ],
+        "worker_kv_bytes_per_block": _vllm_field(vllm_spec, "config.worker_kv_bytes_per_block"),
+        "groups": [_vllm_group_layout(g) for g in _vllm_field(vllm_spec, "config.groups")],
         "kv_cache_layout": str(_vllm_field(vllm_spec, "config.kv_cache_layout")),
         "canonical_layout": bool(_vllm_field(vllm_spec, "config.canonical_layout")),
         "replicated_layout": bool(_vllm_field(vllm_spec, "replicated_layout")),
