@@ -9,7 +9,9 @@ scenarios as a control.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -112,3 +114,26 @@ def test_the_namespace_digests_each_groups_layer_names_in_order() -> None:
     swapped = (LAYOUT[1], LAYOUT[0], LAYOUT[2])
     others = {namespace(OTHER_LAYOUT), namespace(reordered), namespace(swapped)}
     assert base not in others and len(others) == 3
+
+
+def test_the_documented_hybrid_config_runs(tmp_path: Path) -> None:
+    """docs/vllm.md's extra config for groups of different block sizes: vLLM's validation, then
+    our tier from it in the three-group engine (its root moved here)."""
+    from vllm.config import KVTransferConfig
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
+    (found,) = re.findall(r"```json\n(.*?)```", text, re.S)
+    extra = json.loads(found)
+    assert "block_size" not in extra and extra["blocks_per_chunk"] == 1
+    config = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    (entry,) = config.kv_connector_extra_config["secondary_tiers"]
+    engine = HybridEngine([{**entry, "tier": {**entry["tier"], "root": str(tmp_path)}}])
+    try:
+        assert counts(engine.prefill(PROMPT).stored) == STORED
+        engine.reset_cache()
+        found_again = engine.prefill(PROMPT)
+        assert (found_again.hit_tokens, found_again.wrong) == (HIT_TOKENS, [])
+    finally:
+        assert engine.shutdown() == []
