@@ -2,13 +2,18 @@
 
 `HybridEngine` builds vLLM's `OffloadingConnectorScheduler` from a real `VllmConfig` (no model:
 the connector reads only its cache, parallel and speculative config), a real `KVCacheConfig` of
-three KV-cache groups (full attention; a sliding window of 16-token blocks; a sliding window of
-32-token blocks) and a real `TieringOffloadingManager` (`vllm_engine.make_manager`). Requests are
-vLLM `Request`s hashed by vLLM's own block hasher; the connector decides which chunks of which
-group are looked up, loaded and stored. What stands in for the rest of vLLM:
+a hybrid model's groups (`kv_cache_groups`: full attention, a sliding window of 16-token blocks,
+a sliding window of 32-token blocks; `linear_attention_groups`: full attention and a Mamba-state
+group, as vLLM builds linear attention) and a real `TieringOffloadingManager`
+(from vLLM's spec factory, as in
+`vllm_engine`). Requests are vLLM `Request`s hashed by vLLM's own block
+hasher; the connector decides which chunks of which group are looked up, loaded and stored.
+What stands in for the rest of vLLM:
 
-- the KV cache manager: each group's block table is fresh block ids, except that a sliding-window
-  group's blocks before the window a load needs are the null block (id 0), as vLLM frees them;
+- the KV cache manager: each group's block table is fresh block ids, except that a windowed
+  (sliding-window or Mamba) group's blocks before the window a load needs are the null block
+  (id 0), as vLLM frees them;
+- the scheduler's Mamba "align" hand-off: a state group's state at the prompt's last whole chunk;
 - the GPU and the worker's copies: a block's bytes live in `gpu[group][block_id]`, one row each
   (blocks_per_chunk is 1); a store copies them into the primary rows the job names, a load back;
 - the model: the bytes a chunk of a group should hold are a function of the chunk's key and the
@@ -34,8 +39,14 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.core.sched.output import KVConnectorBlockState, NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -51,6 +62,30 @@ LAYERS_PER_GROUP = 2
 #: gpt-oss / Gemma-like: full attention, a 48-token window, and a 64-token window kept in 32-token
 #: blocks. The names are the model's layers, interleaved as such models interleave them.
 LAYOUT = (("layers.0", "layers.3"), ("layers.1", "layers.4"), ("layers.2", "layers.5"))
+
+
+#: Qwen3-Next / Qwen3.5-like: full attention every fourth layer, gated delta net (a Mamba state
+#: in vLLM) in the others.
+LINEAR_LAYOUT = (
+    ("layers.3", "layers.7"),
+    ("layers.0", "layers.1", "layers.2", "layers.4", "layers.5", "layers.6"),
+)
+
+
+def linear_attention_groups(layer_names: Sequence[Sequence[str]] = LINEAR_LAYOUT) -> list[KVCacheGroupSpec]:
+    """vLLM's KV-cache groups of a full-attention + linear-attention model with prefix caching on:
+    the linear layers' state is a `MambaSpec` in "align" mode, its page padded to the KV page."""
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    state = MambaSpec(
+        block_size=16,
+        shapes=((4, 64), (2, 16, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=PAGE_BYTES * 2,
+        mamba_cache_mode="align",
+    )
+    return [
+        KVCacheGroupSpec(list(names), spec) for names, spec in zip(layer_names, (full, state), strict=True)
+    ]
 
 
 def kv_cache_groups(layer_names: Sequence[Sequence[str]] = LAYOUT) -> list[KVCacheGroupSpec]:
@@ -112,9 +147,9 @@ class HybridEngine:
     """One engine's scheduler: vLLM's connector over its tiering manager, and a simulated worker."""
 
     def __init__(
-        self, secondary_tiers: list[dict[str, Any]], layer_names: Sequence[Sequence[str]] = LAYOUT
+        self, secondary_tiers: list[dict[str, Any]], groups: list[KVCacheGroupSpec] | None = None
     ) -> None:
-        self.groups = kv_cache_groups(layer_names)
+        self.groups = kv_cache_groups() if groups is None else groups
         spec = OffloadingSpecFactory.create_spec(hybrid_offloading_config(secondary_tiers, self.groups))
         vllm_config = VllmConfig(
             cache_config=CacheConfig(enable_prefix_caching=True), device_config=DeviceConfig(device="cpu")
@@ -162,6 +197,7 @@ class HybridEngine:
         output.scheduled_new_reqs = [NewRequestData.from_request(req, block_ids)]
         output.num_scheduled_tokens = {req.request_id: len(prompt) - hits}
         output.total_num_scheduled_tokens = len(prompt) - hits
+        output.kv_connector_block_state = self._boundary_states(req, block_ids, hits)
         self._step(output, req, result)
         req.num_computed_tokens = len(prompt)
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -197,6 +233,26 @@ class HybridEngine:
             for i, block_id in enumerate(ids):
                 if block_id and i < len(keys) and (i + 1) * config.tokens_per_block > hits:
                     self.gpu[g][block_id] = expected_row(keys[i], self.groups[g].layer_names, self.row_bytes)
+
+    def _boundary_states(
+        self, req: Request, block_ids: tuple[list[int], ...], hits: int
+    ) -> KVConnectorBlockState | None:
+        """The scheduler's Mamba "align" hand-off: each state group's state at the last whole
+        chunk of the prompt (vLLM splits an align-mode prefill there), in the block that holds it."""
+        entries = []
+        for g, config in enumerate(self.connector.config.kv_group_configs):
+            boundary = req.num_tokens // config.tokens_per_chunk * config.tokens_per_chunk
+            if config.requires_cow_source and boundary > hits:
+                entries.append(
+                    (config.group_idx, block_ids[g][boundary // config.tokens_per_block - 1], boundary)
+                )
+        if not entries:
+            return None
+        return KVConnectorBlockState(
+            req_ids={req.request_id},
+            resolve_block_ids=lambda _req_id: block_ids,
+            boundary_state_offloads={req.request_id: entries},
+        )
 
     def _group_keys(self, req: Request, group: int) -> list[OffloadKey]:
         return list(self.connector._req_status[req.request_id].group_states[group].offload_keys)
