@@ -34,7 +34,11 @@ With a tier secret (`secret`), a block is *sealed* instead (`BlockSealer`): AES-
 Each tier instance draws a fresh random 128-bit writer salt when it is made and counts its
 nonces from 0 under the key that salt derives, so a nonce never repeats under one key: by
 construction, not by chance (two instances draw the same salt with probability ~2^-128 a
-pair). After 2^32 values under one salt (`SEALS_PER_SALT`: NIST SP 800-38D's bound on
+pair). A process made by `fork` draws a salt of its own before its first value, since its
+copy of the parent's salt and count would repeat the parent's next nonces: a fork hook
+(`os.register_at_fork`) drops the copy, and a pid check per value catches a fork that ran no
+Python hook. (Not covered: one VM snapshot resumed twice; nothing in a process can see that.)
+After 2^32 values under one salt (`SEALS_PER_SALT`: NIST SP 800-38D's bound on
 invocations of one GCM key with random nonces, kept though ours are counters) it draws a
 fresh salt, so no key ever seals more. Names are HMAC-SHA256 of the key under a key derived
 from the secret and the namespace; the namespace's own tag is an HMAC of its name.
@@ -56,6 +60,7 @@ import itertools
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -299,6 +304,41 @@ def _hkdf(secret: bytes, *, salt: bytes | None, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(secret)
 
 
+class _Writer:
+    """What one process seals under: its count of values sealed, its current salt and key, and
+    the keys of the salts it read lately (with the lock over both). A child made by `fork`
+    makes its own (`BlockSealer._here`): a copy of its parent's would repeat the parent's next
+    nonces under the parent's salt, and a lock a parent's thread held at the fork stays held."""
+
+    __slots__ = ("current", "lock", "pid", "read_keys", "seals")
+
+    def __init__(self, salt: bytes, key: Any) -> None:
+        self.pid = os.getpid()
+        #: Every value sealed takes the next number (next() is atomic: none is handed out
+        #: twice); number // seals_per_salt picks the writer salt, the rest is the nonce under it.
+        self.seals = itertools.count()
+        #: (which salt of this writer, the salt, its key): replaced whole, so read without a lock.
+        self.current: tuple[int, bytes, Any] = (0, salt, key)
+        self.read_keys: dict[bytes, Any] = {salt: key}
+        self.lock = threading.Lock()
+
+
+#: Every sealer alive, for the fork hook.
+_SEALERS: weakref.WeakSet[BlockSealer] = weakref.WeakSet()
+
+
+def _forget_writers() -> None:
+    """In a child made by `os.fork` (before any of its code runs): every sealer drops its
+    parent's writer, and makes its own at its next use. The pid check in `_here` covers a fork
+    that runs no Python hook; this hook also covers a child given the pid of the (exited)
+    process whose writer it copied."""
+    for sealer in list(_SEALERS):
+        sealer._process = None
+
+
+os.register_at_fork(after_in_child=_forget_writers)
+
+
 class BlockSealer:
     """Sealed blocks of one namespace under one secret (see the module's docstring).
 
@@ -324,14 +364,9 @@ class BlockSealer:
         # asks which keys are new first): the names of the most recent keys are kept. Thread-safe.
         self._names_kept = functools.lru_cache(maxsize=_NAMES_KEPT)(self._keyed_name)
         self._seals_per_salt = seals_per_salt
-        # Every value sealed takes the next number (next() is atomic: none is handed out twice);
-        # number // seals_per_salt picks the writer salt, the rest is the nonce under it.
-        self._seals = itertools.count()
-        salt = os.urandom(_SALT_BYTES)
-        #: (which salt of this writer, the salt, its key): replaced whole, so read without a lock.
-        self._writer: tuple[int, bytes, Any] = (0, salt, self._block_key(salt))
-        self._read_keys: dict[bytes, Any] = {salt: self._writer[2]}
-        self._keys_lock = threading.Lock()
+        #: This process's writer; None once a fork hook dropped the parent's in a child.
+        self._process: _Writer | None = self._writer_of_this_process()
+        _SEALERS.add(self)
 
     def __repr__(self) -> str:
         return f"BlockSealer(namespace_tag={self.namespace_tag.hex()})"
@@ -339,40 +374,57 @@ class BlockSealer:
     def _block_key(self, salt: bytes) -> Any:
         return self._aesgcm(_hkdf(self._secret, salt=salt, info=b"block key\0" + self._namespace))
 
-    def _write_key(self, turn: int) -> tuple[bytes, Any]:
-        """The salt and key of this writer's `turn` (seal number // seals_per_salt)."""
-        current = self._writer
+    def _writer_of_this_process(self) -> _Writer:
+        """A writer of this process's own: a fresh salt, nonces from 0 under it."""
+        salt = os.urandom(_SALT_BYTES)
+        return _Writer(salt, self._block_key(salt))
+
+    def _here(self) -> _Writer:
+        """This process's writer: a process made by `fork` (whose copy of the parent's writer
+        was dropped by `_forget_writers`, or holds the parent's pid where no fork hook ran)
+        makes its own before its first value. Two threads of a new child that both make one
+        each seal under a salt of their own: no (salt, nonce) pair is used twice either way."""
+        process = self._process
+        if process is None or process.pid != os.getpid():
+            process = self._process = self._writer_of_this_process()
+        return process
+
+    def _write_key(self, process: _Writer, turn: int) -> tuple[bytes, Any]:
+        """The salt and key of `process`'s `turn` (seal number // seals_per_salt)."""
+        current = process.current
         if current[0] == turn:
             return current[1], current[2]
         salt = os.urandom(_SALT_BYTES)
         key = self._block_key(salt)
-        with self._keys_lock:
-            if self._writer[0] < turn:  # the first to reach this turn: the writer moves on
-                self._writer = (turn, salt, key)
-                self._keep_read_key(salt, key)
-            elif self._writer[0] == turn:  # another thread moved it on meanwhile
-                return self._writer[1], self._writer[2]
+        with process.lock:
+            if process.current[0] < turn:  # the first to reach this turn: the writer moves on
+                process.current = (turn, salt, key)
+                self._keep_read_key(process, salt, key)
+            elif process.current[0] == turn:  # another thread moved it on meanwhile
+                return process.current[1], process.current[2]
         # Either the writer's new salt, or (a thread that drew its number before the writer
         # moved on past its turn) a salt of this one value's own: a fresh salt either way, so
         # no (salt, nonce) pair is ever used twice.
         return salt, key
 
     def _read_key(self, salt: bytes) -> Any:
-        with self._keys_lock:
-            key = self._read_keys.get(salt)
+        process = self._here()
+        with process.lock:
+            key = process.read_keys.get(salt)
         if key is None:
             key = self._block_key(salt)
-            with self._keys_lock:
-                self._keep_read_key(salt, key)
+            with process.lock:
+                self._keep_read_key(process, salt, key)
         return key
 
-    def _keep_read_key(self, salt: bytes, key: Any) -> None:
-        """Keep `salt`'s key derived (under `_keys_lock`), forgetting the oldest other writer's."""
-        if len(self._read_keys) >= _READ_KEYS_KEPT:
-            own = self._writer[1]
-            oldest = next(k for k in self._read_keys if k != own)
-            del self._read_keys[oldest]
-        self._read_keys[salt] = key
+    @staticmethod
+    def _keep_read_key(process: _Writer, salt: bytes, key: Any) -> None:
+        """Keep `salt`'s key derived (under `process.lock`), forgetting the oldest other writer's."""
+        if len(process.read_keys) >= _READ_KEYS_KEPT:
+            own = process.current[1]
+            oldest = next(k for k in process.read_keys if k != own)
+            del process.read_keys[oldest]
+        process.read_keys[salt] = key
 
     def _associated(self, key: bytes, payload_nbytes: int) -> bytes:
         return self.namespace_tag + payload_nbytes.to_bytes(8, "little") + key
@@ -394,8 +446,9 @@ class BlockSealer:
         n = len(payload)
         if len(into) != SEAL_OVERHEAD + n:
             raise ValueError(f"seal_into: {len(into)} bytes are not the {SEAL_OVERHEAD + n} of the value")
-        turn, count = divmod(next(self._seals), self._seals_per_salt)
-        salt, write_key = self._write_key(turn)
+        process = self._here()
+        turn, count = divmod(next(process.seals), self._seals_per_salt)
+        salt, write_key = self._write_key(process, turn)
         nonce = count.to_bytes(_NONCE_BYTES, "little")
         into[:_SEAL_HEADER] = SEAL_MAGIC + salt + nonce
         write_key.encrypt_into(nonce, payload, self._associated(key, n), into[_SEAL_HEADER:])

@@ -114,3 +114,53 @@ def test_threads_sealing_at_once_never_share_a_salt_and_nonce() -> None:
         for i, value in enumerate(row):
             payload = b"%d.%d" % (t, i) * 8
             assert opened(reader, value, b"k%d.%d" % (t, i), len(payload)) == payload
+
+
+def salt_nonce_pairs(sealer: BlockSealer, n: int) -> list[bytes]:
+    return [
+        bytes(value[SALT]) + bytes(value[NONCE])
+        for value in (sealed(sealer, b"x" * 64, b"k") for _ in range(n))
+    ]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_and_its_parent_never_share_a_salt_and_nonce() -> None:
+    # Attack: a sealer used before fork() (a pre-fork server, multiprocessing's "fork"), then in
+    # both processes: the same salt and count in each would seal two blocks under one nonce.
+    sealer = BlockSealer(SECRET, NAMESPACE)
+    before = salt_nonce_pairs(sealer, 3)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its pairs to the parent, then gone without running the parent's exit code
+        try:
+            os.close(read_end)
+            os.write(write_end, b"".join(salt_nonce_pairs(sealer, 5)))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    parent = salt_nonce_pairs(sealer, 5)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    assert os.waitpid(pid, 0)[1] == 0
+    child = [data[i : i + 28] for i in range(0, len(data), 28)]
+    assert len(child) == 5
+    pairs = before + parent + child
+    assert len(set(pairs)) == len(pairs)
+    # The child sealed under a salt of its own, counting from nonce 0; the parent went on.
+    assert {pair[:16] for pair in child}.isdisjoint(pair[:16] for pair in before + parent)
+    assert [int.from_bytes(pair[16:], "little") for pair in child] == list(range(5))
+    assert [int.from_bytes(pair[16:], "little") for pair in parent] == list(range(3, 8))
+
+
+def test_a_writer_of_another_pid_is_replaced_before_the_next_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Attack: a fork that runs no Python fork hook (one made in C): the pid check per value
+    # still gives the new process a salt of its own.
+    sealer = BlockSealer(SECRET, NAMESPACE)
+    first = salt_nonce_pairs(sealer, 2)
+    monkeypatch.setattr(os, "getpid", lambda: -1)
+    after = salt_nonce_pairs(sealer, 2)
+    assert first[0][:16] != after[0][:16]
+    assert [int.from_bytes(pair[16:], "little") for pair in after] == [0, 1]
+    reader = BlockSealer(SECRET, NAMESPACE)
+    value = sealed(sealer, b"y" * 64, b"k9")
+    assert opened(reader, value, b"k9", 64) == b"y" * 64
