@@ -115,6 +115,7 @@ class TieredKVCache(AsyncResource):
     async def __aenter__(self) -> TieredKVCache:
         try:
             await self._open()
+            await self._start_tiers()
         except BaseException:
             await self.aclose()  # `async with` will not: its body never started
             raise
@@ -124,6 +125,15 @@ class TieredKVCache(AsyncResource):
         """Make the primary tier resident (and pinned) on a worker thread, once; the first
         store or load does this too. A failure is raised to every waiter and tried again."""
         await self._opening(self._make_resident)
+
+    async def _start_tiers(self) -> None:
+        """Open every secondary tier, all at once: a tier configured so that it can never work
+        raises its `ConfigError` here; one whose server is down, or disk full, runs degraded
+        and tries again on later calls (`TierResource.start`)."""
+        outcomes = await asyncio.gather(*(tier.start() for tier in self.tiers), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _make_resident(self) -> None:
         await self.scheduler.run_blocking(self.primary.make_resident)

@@ -14,7 +14,8 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from .fault_breaker import FaultBreaker
+from .errors import ConfigError
+from .fault_breaker import FaultBreaker, Pass
 from .fault_log import FaultLog
 from .scheduler import Priority, current_priority
 from .server_gate import QueueTimeout
@@ -44,11 +45,16 @@ class FaultGuard:
         self.breaker = breaker
         self.fault_log = fault_log
 
-    async def open(self, opening: Callable[[], Awaitable[None]]) -> bool:
+    async def open(self, opening: Callable[[], Awaitable[None]], *, starting: bool = False) -> bool:
         """Run `opening`; False (counted, logged) if it failed this time.
 
         A failed open is a backend fault like any other: the operation reports misses or
         failed stores, and the next operation tries to open again (once the breaker lets it).
+        Except when `starting` (a cache's `async with`, `TierResource.start`) and the opening raised a
+        `ConfigError`: a configuration that can never work (a root others may write, a bucket
+        that does not exist) is raised, so that the start-up fails with its message instead of
+        running with a tier that never stores a byte. Any other fault (a server down, a full
+        disk) may pass: it degrades, as on first use.
         """
         entered = self.breaker.enter()
         if entered is None:
@@ -56,16 +62,26 @@ class FaultGuard:
             return False
         try:
             await opening()
+        except ConfigError:
+            if not starting:
+                self._open_failed(entered)
+                return False
+            self.breaker.left(entered)
+            raise
         except Exception:
-            self.counters["errors"] += 1
-            self.breaker.failed(entered)
-            self.fault_log.warning("open", "tier %r: opening failed", self.name, exc_info=True)
+            self._open_failed(entered)
             return False
         except BaseException:  # cancelled: no answer
             self.breaker.left(entered)
             raise
         self.breaker.succeeded()
         return True
+
+    def _open_failed(self, entered: Pass) -> None:
+        """Count and log the opening that failed (in its `except` block, for the traceback)."""
+        self.counters["errors"] += 1
+        self.breaker.failed(entered)
+        self.fault_log.warning("open", "tier %r: opening failed", self.name, exc_info=True)
 
     async def call(self, what: str, call: Awaitable[list[bool]], n: int, priority: Priority) -> list[bool]:
         """Await a hook's `call` about `n` keys at `priority`; its answer, or all-False."""

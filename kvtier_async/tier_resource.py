@@ -2,8 +2,9 @@
 
 Its spec and the primary memory it moves blocks to and from (slots by number, or blocks
 anywhere on its 4096-byte grid by view); the scheduler whose
-worker threads run its blocking work; opening once, before its first operation
-(a failed opening retried by the next, counted as a fault); closing once, after
+worker threads run its blocking work; opening once, at a cache's start-up (`start`) or before
+its first operation (a failed opening retried by the next, counted as a fault; at start-up,
+a `ConfigError` raised); closing once, after
 the operations in flight, letting go of the primary view; its name, counters and
 fault guard. `SecondaryTierManager` (in `tier`) builds the store / load / lookup
 contract on it.
@@ -81,6 +82,12 @@ class TierResource(AsyncResource):
     # -- the backend's part ----------------------------------------------------------------
     async def open_backend(self) -> None:
         """Opening work (connections, index rebuild); runs once before the first operation."""
+
+    async def check_config(self) -> None:
+        """At a start-up, after `open_backend`: raise `ConfigError` for a configuration that
+        can never work but that only the server can tell (a bucket that does not exist). Any
+        other error fails the opening as a fault that may pass. Not run by a lazy opening: a
+        call's deadline has no room for it."""
 
     async def close_backend(self) -> None:
         """Release what `open_backend` or the constructor acquired; runs once."""
@@ -165,7 +172,15 @@ class TierResource(AsyncResource):
         to open as misses. Call it where a tier that cannot open should stop a start-up.
         """
         with self._operation():
-            await self._open_once(self._start_and_open)
+            await self._open_once(partial(self._start_and_open, True))
+
+    async def start(self) -> None:
+        """Open the backend as a start-up does (a cache's `async with`): a
+        configuration that can never work raises its `ConfigError`; a fault that may pass (a
+        server down, a full disk) is counted and logged, and the next operation tries again.
+        """
+        with self._operation():
+            await self._ensure_open(starting=True)
 
     async def aclose(self) -> None:
         """Wait for operations in flight, then close the backend and let go of the primary view.
@@ -215,17 +230,20 @@ class TierResource(AsyncResource):
         if self._closed:
             raise ClosedError(f"tier {self.name!r} is closed")
 
-    async def _ensure_open(self) -> bool:
-        """Open the backend once; False (counted, logged) if opening failed this time."""
+    async def _ensure_open(self, *, starting: bool = False) -> bool:
+        """Open the backend once; False (counted, logged) if opening failed this time, but a
+        `ConfigError` raised when `starting` (`FaultGuard.open`)."""
         return self._open_once.opened or await self._guard.open(
-            partial(self._open_once, self._start_and_open)
+            partial(self._open_once, partial(self._start_and_open, starting)), starting=starting
         )
 
-    async def _start_and_open(self) -> None:
+    async def _start_and_open(self, starting: bool = False) -> None:
         # The worker threads start with the backend, not inside the first load of a restarted
         # process (starting them takes milliseconds: a noticeable part of a short load).
         await self.scheduler.start()
         await self.open_backend()
+        if starting:
+            await self.check_config()
 
     @contextmanager
     def _operation(self, direction: str | None = None) -> Iterator[None]:

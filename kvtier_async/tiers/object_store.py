@@ -133,6 +133,7 @@ class ObjectStoreTier(SecondaryTierManager):
         self._allow_http = allow_http
         self._max_retries = max_retries
         self._store = store
+        self._own_store = False  # made by the tier (not passed in): its bucket is checked at start
         parts = [p for p in prefix.strip("/").split("/") if p] + [self.codec.namespace_tag.hex()]
         self._name_prefix = "/".join(parts) + "/"
         # obstore's retries stop within timeout_s; the gate's deadline also bounds a request
@@ -148,6 +149,30 @@ class ObjectStoreTier(SecondaryTierManager):
         if self._store is None:
             # On a worker thread: building the store reads the environment and may read files.
             self._store = await self.run_blocking(self._make_store)
+            self._own_store = True
+
+    async def check_config(self) -> None:
+        # docstring inherited
+        if self._own_store:
+            await self._request(self._check_bucket())
+
+    async def _check_bucket(self) -> None:
+        """A bucket that does not exist can never hold a block: a `ConfigError`. A LIST of at
+        most one name under the tier's prefix, since a HEAD answers a missing bucket as it does
+        a missing object; any other fault may pass."""
+        import obstore
+        from obstore.exceptions import BaseError, NotFoundError
+
+        try:
+            await obstore.list(self._store, prefix=self._name_prefix, chunk_size=1).__anext__()
+        except StopAsyncIteration:
+            pass  # the bucket exists, and holds nothing of ours yet
+        except (NotFoundError, BaseError) as exc:
+            if isinstance(exc, NotFoundError) or "NoSuchBucket" in str(exc):
+                raise ConfigError(
+                    f"s3 tier: the bucket {self.bucket!r} does not exist; create it first"
+                ) from None
+            raise
 
     def _make_store(self) -> Any:
         from obstore.store import S3Store
