@@ -61,6 +61,7 @@ from ..slot_pool import SlotPool, for_batches_in_flight
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from ..tier_resource import INLINE_CPU_BYTES
+from .redis_client import AllowedNodes, bounded_parser, guarded_connection_class
 from .redis_direct import SOCKET_BUFFER_BYTES, DirectConnections
 
 __all__ = ["RedisTier"]
@@ -87,6 +88,10 @@ SEALED_POOL_BYTES = 32 << 20
 #: the time they have landed whatever the pool's size, and with fewer at once (4 of 8 MiB:
 #: 0.82x) the server was kept waiting.
 SEALED_POOL_VALUES = 16
+
+#: A reply other than a value's range (CLUSTER SLOTS of a large cluster, CONFIG GET) is at most
+#: this long; with READ_PIECE_BYTES, the most redis-py reads of one reply (`bounded_parser`).
+MAX_OTHER_REPLY_BYTES = 1 << 20
 
 #: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
 EXISTS_PER_PIPELINE = 1024
@@ -135,7 +140,9 @@ class RedisTier(SecondaryTierManager):
     A `client` passed in (a `redis.asyncio.Redis` or `RedisCluster`) is used
     as it is and not closed by the tier; otherwise the tier makes one from
     `url` and owns it. `max_connections` bounds the pipelines the tier has at the
-    server at once (per node on a Cluster); a client passed in must allow that many.
+    server at once (per node on a Cluster); a client passed in must allow that many. On a
+    Cluster, the tier connects only to `nodes` ("host" or "host:port"; by default the URL's
+    host), so the password goes nowhere else (`redis_client`).
     """
 
     # What an engine stores is mostly what its lookup has just missed: an EXISTS round trip
@@ -162,6 +169,7 @@ class RedisTier(SecondaryTierManager):
         secret_env: str | None = None,
         secret_file: str | None = None,
         secret: object = None,
+        nodes: Sequence[str] | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         tier_secret = load_tier_secret(
@@ -184,6 +192,16 @@ class RedisTier(SecondaryTierManager):
             raise ConfigError(f"redis tier: cluster must be True or False, got {cluster!r}")
         if cluster and parts.scheme == "unix":
             raise ConfigError("redis tier: a Redis Cluster is reached over TCP, not a unix socket")
+        if nodes is not None and not cluster:
+            raise ConfigError("redis tier: nodes (the cluster nodes allowed) is for cluster=True")
+        if nodes is not None and (isinstance(nodes, str) or not all(isinstance(n, str) for n in nodes)):
+            raise ConfigError('redis tier: nodes must be a list of "host" or "host:port" strings')
+        try:
+            #: The Cluster nodes the tier may connect to (and send the password to).
+            self.allowed_nodes = AllowedNodes(nodes) if nodes is not None else AllowedNodes.of_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"redis tier: nodes: {exc}") from None
+        self._nodes_refused: set[tuple[str, int]] = set()
         if not isinstance(prefix, str) or not prefix:
             raise ConfigError(f"redis tier: prefix must be a non-empty str, got {prefix!r}")
         _positive_number("ttl_s", ttl_s, optional=True)
@@ -270,6 +288,8 @@ class RedisTier(SecondaryTierManager):
         }
         if self._password is not None:
             options["password"] = self._password
+        # No reply longer than a range of a value, with room for the server's small answers.
+        parser = bounded_parser(READ_PIECE_BYTES + MAX_OTHER_REPLY_BYTES)
         version = importlib.metadata.version("redis")
         try:
             from redis.driver_info import DriverInfo  # redis-py 7.1+
@@ -280,12 +300,38 @@ class RedisTier(SecondaryTierManager):
         if self.cluster:
             from redis.asyncio.cluster import RedisCluster
 
-            return RedisCluster.from_url(self._url, **options)
+            self.allowed_nodes.resolve()
+            cluster = RedisCluster.from_url(self._url, **options)
+            # RedisCluster takes no connection class or parser of ours: set them where it makes
+            # its nodes' connections (its connection kwargs, shared with its nodes manager, and
+            # the start-up node it already made).
+            guarded = guarded_connection_class(
+                cluster.connection_kwargs["connection_class"], self.allowed_nodes, self._node_refused, parser
+            )
+            cluster.connection_kwargs["connection_class"] = guarded
+            for node in cluster.nodes_manager.startup_nodes.values():
+                node.connection_class = guarded
+            return cluster
         from redis.asyncio import BlockingConnectionPool, Redis
 
         # The gate keeps us within max_connections; a blocking pool waits rather than raise
         # should anything else take a connection meanwhile.
-        return Redis.from_pool(BlockingConnectionPool.from_url(self._url, timeout=self.timeout_s, **options))
+        return Redis.from_pool(
+            BlockingConnectionPool.from_url(self._url, timeout=self.timeout_s, parser_class=parser, **options)
+        )
+
+    def _node_refused(self, host: str, port: int) -> None:
+        """A Cluster node outside `allowed_nodes` was to be connected to (loop thread)."""
+        self.counters["cluster_nodes_refused"] += 1
+        if (host, port) not in self._nodes_refused:
+            self._nodes_refused.add((host, port))
+            log.warning(
+                "redis tier %r: the cluster named node %s:%s, which is not among the allowed nodes; "
+                "not connected to it (list the cluster's nodes in the tier's 'nodes' to allow them)",
+                self.name,
+                host,
+                port,
+            )
 
     async def _check_value_limit(self) -> None:
         """A server configured for smaller values than our blocks would refuse every store."""
@@ -497,6 +543,7 @@ class RedisTier(SecondaryTierManager):
             "unauthenticated_blocks": self.counters["unauthenticated_blocks"],
             "sealed_pool_bytes": 0 if self._sealed_values is None else self._sealed_values.nbytes,
             "writes_refused": self.counters["writes_refused"],
+            "cluster_nodes_refused": self.counters["cluster_nodes_refused"],
             "server_gate": self.gate.stats(),
             "existence_checks": {"calls": self._exists.calls, "pipelines": self._exists.requests},
         }
