@@ -53,6 +53,7 @@ from .measure import (
 )
 from .primary import PrimaryTier
 from .raw_baselines import baseline as raw_baseline
+from .redact import redacted_config
 from .spec import OffloadingSpec
 from .tier import SecondaryTierManager
 from .tiers.fs import FileSystemTier
@@ -290,7 +291,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
             pipelines.append({"tier": name, "block_kib": max(config.block_kib), "blocks": blocks, **pipeline})
     return {
         "config": {
-            "tiers": [_redacted(t) for t in tiers],
+            "tiers": [redacted_config(t) for t in tiers],
             "block_kib": config.block_kib,
             "mib_per_case": config.mib_per_case,
             "request_blocks": config.request_blocks,
@@ -328,16 +329,6 @@ def _with_root(tier: dict[str, Any], root: Path) -> dict[str, Any]:
     if tier.get("type") == "fs" and "root" not in tier:
         return {**tier, "root": str(root)}
     return dict(tier)
-
-
-def _redacted(tier: dict[str, Any]) -> dict[str, Any]:
-    hidden = {"secret_access_key", "access_key_id", "client", "store"}
-    out = {k: ("***" if k in hidden else v) for k, v in tier.items()}
-    if isinstance(out.get("url"), str):
-        from .tiers.redis_tier import redact_url
-
-        out["url"] = redact_url(out["url"])
-    return out
 
 
 def _lag_parts(lag: dict[str, float]) -> str:

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import ConfigError, InvalidArgumentError
+from .redact import redacted_config
 
 __all__ = ["ALIGNMENT", "VLLM_SERIES", "OffloadingSpec", "SchedulerLimits", "vllm_namespace"]
 
@@ -139,6 +140,17 @@ class OffloadingSpec:
                 f"OffloadingSpec.extra_config must be a dict, got {type(self.extra_config).__name__}"
             )
         object.__setattr__(self, "secondary_tiers", _freeze_tier_configs(self.secondary_tiers))
+
+    def __repr__(self) -> str:
+        # A tier config's URL or endpoint may carry credentials: shown redacted.
+        shown = (
+            f"{f.name}={[redacted_config(c) for c in self.secondary_tiers]!r}"
+            if f.name == "secondary_tiers"
+            else f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.repr
+        )
+        return f"OffloadingSpec({', '.join(shown)})"
 
     @property
     def block_stride(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from ..block_format import block_codec
 from ..errors import ConfigError
+from ..redact import redact_url
 from ..secret import load_tier_secret
 from ..server_gate import QueueTimeout, ServerGate
 from ..spec import OffloadingSpec
@@ -118,7 +119,8 @@ class ObjectStoreTier(SecondaryTierManager):
                 f"s3 tier: a block of {self.block_nbytes} bytes is past the 5 GiB of an object in one PUT"
             )
         self.bucket = bucket
-        self.endpoint = endpoint
+        #: The endpoint as it may be shown (`redact_url`): its own credentials never are.
+        self.endpoint = None if endpoint is None else redact_url(endpoint)
         self.timeout_s = float(timeout_s)
         self._config = {
             name: value

@@ -39,7 +39,6 @@ import asyncio
 import importlib.metadata
 import ipaddress
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -55,6 +54,7 @@ from ..block_format import (
 )
 from ..coalesce import Coalescer
 from ..errors import ConfigError
+from ..redact import redact_url
 from ..secret import load_private_value, load_tier_secret
 from ..server_gate import ServerGate
 from ..slot_pool import SlotPool, for_batches_in_flight
@@ -95,27 +95,6 @@ MAX_OTHER_REPLY_BYTES = 1 << 20
 
 #: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
 EXISTS_PER_PIPELINE = 1024
-
-
-_PASSWORD_IN_QUERY = re.compile(r"(?i)([?&;](?:password|passwd|pass|pwd)=).*")
-
-
-def redact_url(url: str) -> str:
-    """The URL without its credentials, for logs, stats and messages: a password in the query
-    and all that follows it, and everything of the user-info part but a user name (a password
-    with an unencoded '/', '#' or '@' is not parsed as one, so this works on the text,
-    malformed URLs included)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    rest = _PASSWORD_IN_QUERY.sub(r"\1***", rest)
-    if "@" in rest:
-        userinfo, host = rest.rsplit("@", 1)
-        # A user name ends at the first ':' (a password may hold one); without a ':' the whole
-        # part may be a password given as a user name: hidden too.
-        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-        rest = (f"{user}:***@" if user and "/" not in user else "***@") + host
-    return scheme + sep + rest
 
 
 def _is_loopback(host: str | None) -> bool:
