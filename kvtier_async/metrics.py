@@ -12,6 +12,9 @@ anyway, when the registry is scraped.
     watch(cache)
     start_http_server(9400)
 
+Label `namespace` is the namespace's name, or with a tier secret the hex of its tag (as in
+stored names), so that scraped metrics do not tell which model a tenant serves.
+
 Per tier (labels `tier`, `type`, `namespace`): `kvtier_tier_<counter>_total` for
 stored / failed / dropped / deduplicated blocks, stored and loaded bytes, load
 hits and misses, errors, calls skipped while the fault breaker was open, and where the tier
@@ -27,7 +30,7 @@ there): the hit rate of each tier.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -134,7 +137,7 @@ class KVTierCollector(Collector):
         lanes: dict[str, dict[str, int]] = {}
         for cache in list(self._caches):
             stats = cache.stats()
-            namespace = cache.spec.namespace
+            namespace = namespace_label(cache.tiers, cache.spec.namespace)
             for name in CACHE_COUNTERS:
                 cache_counters[name].add_metric([namespace], stats[name])
             for name in CACHE_GAUGES:
@@ -146,7 +149,7 @@ class KVTierCollector(Collector):
             tiers.extend(cache.tiers)
         for tier in tiers:
             stats = tier.stats()
-            labels = [tier.name, tier.tier_type, tier.offloading_spec.namespace]
+            labels = [tier.name, tier.tier_type, namespace_label([tier], tier.offloading_spec.namespace)]
             for name in TIER_COUNTERS:
                 if name in stats:
                     counters[name].add_metric(labels, stats[name])
@@ -164,6 +167,17 @@ class KVTierCollector(Collector):
         yield from cache_counters.values()
         yield from per_tier.values()
         yield from cache_gauges.values()
+
+
+def namespace_label(tiers: Iterable[SecondaryTierManager], namespace: str) -> str:
+    """The namespace as a label shows it: with a tier secret, the hex of the tag that stands for
+    it in stored names (which model a tenant serves is theirs to tell: metrics are scraped
+    and kept elsewhere), else its name."""
+    for tier in tiers:
+        codec = getattr(tier, "codec", None)
+        if codec is not None and codec.sealed:
+            return str(codec.namespace_tag.hex())
+    return namespace
 
 
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, KVTierCollector] = weakref.WeakKeyDictionary()

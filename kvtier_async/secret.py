@@ -18,10 +18,13 @@ import stat
 
 from .errors import ConfigError
 
-__all__ = ["MIN_SECRET_BYTES", "load_private_value", "load_tier_secret", "new_secret"]
+__all__ = ["MIN_DISTINCT_BYTES", "MIN_SECRET_BYTES", "load_private_value", "load_tier_secret", "new_secret"]
 
 #: A secret shorter than this is refused: 32 bytes of a fresh one are 256 bits.
 MIN_SECRET_BYTES = 32
+#: A secret with fewer distinct bytes than this is refused as obviously weak ("a" * 32): 32
+#: random bytes hold about 30; the chance that they hold fewer than 16 is about 10^-16.
+MIN_DISTINCT_BYTES = 16
 #: A secret or password file longer than this is not one (read no further).
 MAX_SECRET_FILE_BYTES = 4096
 
@@ -48,7 +51,22 @@ def load_tier_secret(
             f"{tier} tier: the secret is shorter than {MIN_SECRET_BYTES} bytes; "
             "`kvtier secret new` prints one long enough"
         )
+    if raw is not None and len(set(_secret_bytes(raw))) < MIN_DISTINCT_BYTES:
+        raise ConfigError(
+            f"{tier} tier: the secret is obviously weak (fewer than {MIN_DISTINCT_BYTES} distinct "
+            "bytes, such as one byte repeated); `kvtier secret new` prints a random one"
+        )
     return raw
+
+
+def _secret_bytes(raw: bytes) -> bytes:
+    """The bytes a secret stands for, as far as its strength goes: hex digits decoded (64 hex
+    digits of `new_secret` are at most 16 distinct characters, often fewer, but 32 bytes that
+    are nearly all distinct), anything else as it is."""
+    try:
+        return bytes.fromhex(raw.decode("ascii"))
+    except ValueError:  # UnicodeDecodeError included
+        return raw
 
 
 def load_private_value(tier: str, what: str, *, env: object = None, file: object = None) -> bytes | None:
@@ -91,6 +109,11 @@ def _read_private_file(tier: str, what: str, path: str) -> bytes:
         data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
     finally:
         os.close(fd)
+    if len(data) != info.st_size:  # a /proc or /sys file says it is empty, and holds text
+        raise ConfigError(
+            f"{tier} tier: {what}_file {path} is not a regular file (it holds other than its size "
+            "says: a /proc or /sys file?)"
+        )
     if len(data) > MAX_SECRET_FILE_BYTES:
         raise ConfigError(f"{tier} tier: {what}_file {path} is longer than {MAX_SECRET_FILE_BYTES} bytes")
     return data.strip()

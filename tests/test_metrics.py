@@ -77,3 +77,31 @@ async def test_a_tier_on_its_own_drops_and_hits() -> None:
 def test_watching_something_else_is_an_error() -> None:
     with pytest.raises(TypeError, match="TieredKVCache or a SecondaryTierManager"):
         watch(object(), CollectorRegistry())  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_with_a_secret_labels_carry_the_namespace_tag_not_its_name(
+    tmp_path: object, tier_secret_env: str
+) -> None:
+    # Leak: metrics are scraped and kept elsewhere; with a secret, which model a tenant serves
+    # (the namespace's name) is theirs to tell, so labels carry the tag that stored names carry.
+    registry = CollectorRegistry()
+    namespace = "tenant-a/llama3-8b"
+    tier_config = {"type": "fs", "root": str(tmp_path), "secret_env": tier_secret_env}
+    spec = kt.OffloadingSpec(
+        block_nbytes=4096, num_cpu_blocks=8, namespace=namespace, secondary_tiers=[tier_config]
+    )
+    async with kt.TieredKVCache(spec, torch.zeros(8, 4096, dtype=torch.uint8)) as cache:
+        watch(cache, registry)
+        assert await cache.store([make_key(1)], [0]) == 1
+        await cache.flush()
+        text = generate_latest(registry).decode()
+        tag = cache.tiers[0].codec.namespace_tag.hex()
+    assert "tenant-a" not in text and "llama3" not in text
+    assert f'namespace="{tag}"' in text
+    assert (
+        registry.get_sample_value(
+            "kvtier_tier_stored_blocks_total", {"tier": "fs", "type": "fs", "namespace": tag}
+        )
+        == 1
+    )

@@ -300,6 +300,10 @@ def test_secret_sources_are_checked_and_never_shown(
     }[tier_type]
     value = new_secret()
     monkeypatch.setenv("KVTIER_SHORT", "x" * 31)
+    # Weak secrets that pass the length check: one byte repeated, a few bytes cycled, in hex too.
+    monkeypatch.setenv("KVTIER_REPEATED", "a" * 32)
+    monkeypatch.setenv("KVTIER_CYCLED", "abcdefghijklmn" * 3)
+    monkeypatch.setenv("KVTIER_HEX_CYCLED", "00112233445566778899aabbccdd" * 2)
     monkeypatch.setenv("KVTIER_GOOD", value)
     good_file = tmp_path / "secret"
     good_file.write_text(value + "\n")
@@ -320,6 +324,11 @@ def test_secret_sources_are_checked_and_never_shown(
         ({"secret_file": str(open_file)}, "open to group or others"),
         ({"secret_file": str(link)}, "cannot open"),
         ({"secret_file": str(fifo)}, "not a regular file"),
+        ({"secret_env": "KVTIER_REPEATED"}, "obviously weak.*kvtier secret new"),
+        ({"secret_env": "KVTIER_CYCLED"}, "obviously weak"),
+        ({"secret_env": "KVTIER_HEX_CYCLED"}, "obviously weak"),
+        # A pseudo-file of ours, mode 0400, that stat() calls regular and empty: the environment.
+        ({"secret_file": "/proc/self/environ"}, "not a regular file"),
     ]
     for extra, message in bad:
         with pytest.raises(kt.ConfigError, match=message) as caught:
