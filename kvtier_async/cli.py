@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from .demo import DemoConfig, format_report, run_demo
 from .errors import KVTierError
 from .replay import MODEL_GEOMETRIES
-from .secret import new_secret
+from .secret import load_tier_secret, new_secret
 from .trace import TOKENS_PER_BLOCK
 
 T = TypeVar("T")
@@ -184,6 +184,15 @@ def _parser() -> argparse.ArgumentParser:
     verify = fs_commands.add_parser("verify", help="check every block's checksum; exit 1 if any is corrupt")
     verify.add_argument("root", type=Path)
     verify.add_argument("--remove", action="store_true", help="drop the corrupt blocks")
+    secret_source = verify.add_mutually_exclusive_group()
+    secret_source.add_argument(
+        "--secret-env",
+        metavar="NAME",
+        help="the environment variable holding the tier secret: sealed blocks are then opened too",
+    )
+    secret_source.add_argument(
+        "--secret-file", metavar="PATH", help="a file holding the tier secret (0600, yours)"
+    )
     gc = fs_commands.add_parser(
         "gc", help="bring each namespace under ROOT within a capacity, oldest blocks first"
     )
@@ -313,12 +322,14 @@ def _fs_command(args: argparse.Namespace) -> int:
         )
         return 0
     if args.fs_command == "verify":
-        reports = fs_admin.verify_root(args.root, remove=args.remove)
+        secret = load_tier_secret("fs", secret_env=args.secret_env, secret_file=args.secret_file)
+        reports = fs_admin.verify_root(args.root, remove=args.remove, secret=secret)
         corrupt = sum(len(r.corrupt) for r in reports)
         for r in reports:
             print(
                 f"{r.namespace}: {r.checked} blocks checked, {len(r.corrupt)} corrupt"
                 + (" (removed)" if args.remove and r.corrupt else "")
+                + (f"; {r.unchecked}" if r.unchecked else "")
             )
             for key in r.corrupt:
                 print(f"  corrupt: {key.hex()}")

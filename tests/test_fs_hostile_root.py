@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 
+import fs_helpers as h
 import pytest
 
 import kvtier_async as kt
 import kvtier_async.tiers.fs
 from kvtier_async.cli import main
 from kvtier_async.testing import make_key
+from kvtier_async.tiers.fs.layout import ENTRY, record_bytes_for
 
 BLOCK = 4096
 NAMESPACE = "hostile-root"
@@ -114,7 +117,7 @@ def stored_root(tmp_path: Path) -> tuple[Path, Path]:
 def test_sparse_huge_index_is_not_read_whole(tmp_path: Path) -> None:
     import tracemalloc
 
-    from kvtier_async.tiers.fs.layout import read_log
+    from kvtier_async.tiers.fs.layout import Folder, read_log
 
     root, directory = stored_root(tmp_path)
     [log] = directory.glob("slab-*.idx")
@@ -122,7 +125,8 @@ def test_sparse_huge_index_is_not_read_whole(tmp_path: Path) -> None:
         f.truncate(8 << 30)  # 8 GiB of holes after the real entries
     tracemalloc.start()
     try:
-        entries, _, _ = read_log(log)
+        with Folder.open(directory) as folder:
+            entries, _, _ = read_log(folder / log.name)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -164,3 +168,244 @@ def test_fs_verify_checks_a_sealed_namespace(
     assert main(["fs", "verify", str(root)]) == 0
     out = capsys.readouterr().out
     assert "2 blocks checked, 0 corrupt" in out and NAMESPACE not in out
+
+
+def copy_slab(directory: Path, to: int) -> tuple[Path, Path]:
+    """Slab 0's log copied under slab number `to` (its data file left for the caller to plant)."""
+    [log] = directory.glob("slab-*-000000.idx")
+    data, log_copy = (
+        log.with_name(log.name.replace("000000", f"{to:06d}")).with_suffix(s) for s in (".kvs", ".idx")
+    )
+    shutil.copyfile(log, log_copy)
+    return data, log_copy
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "writable by others"])
+async def test_a_planted_slab_data_file_is_skipped_counted_and_the_tier_opens(
+    tmp_path: Path, plant: str
+) -> None:
+    # The attack: a slab's data file is a symlink, a FIFO or a file others may write (0666).
+    root = str(tmp_path / "root")
+    tier, primary = h.make_tier(root)
+    keys = [h.key_for(i) for i in range(4)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 4
+    [real] = await asyncio.to_thread(lambda: list(tier.directory.glob("slab-*-000000.kvs")))
+    data, _ = await asyncio.to_thread(copy_slab, tier.directory, 5)
+    if plant == "symlink":
+        await asyncio.to_thread(data.symlink_to, real)
+    elif plant == "fifo":
+        await asyncio.to_thread(os.mkfifo, data, 0o600)
+    else:
+        await asyncio.to_thread(shutil.copyfile, real, data)
+        await asyncio.to_thread(os.chmod, data, 0o666)
+    skipped = kvtier_async.tiers.fs.layout.foreign_files_skipped()
+    again, primary = h.make_tier(root)  # a restart reads every slab's log and opens its data
+    async with again:
+        assert await h.load_and_check(again, primary, keys) == [True] * 4
+        assert again.stats()["shared_slabs"] == 1  # slab 0 only: the planted one is not used
+        assert again.stats()["foreign_files_skipped"] == skipped + 1
+    assert await asyncio.to_thread(main, ["fs", "verify", root]) == 0
+    assert await asyncio.to_thread(main, ["fs", "stat", root]) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_namespace_directory_swapped_after_open_is_never_followed(tmp_path: Path) -> None:
+    # The attack: once the tier is open, its namespace directory is moved away and a symlink to
+    # another directory put in its place; the tier goes on storing and claims new slabs.
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    await asyncio.to_thread(elsewhere.mkdir, mode=0o700)
+    capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # 16 slabs of 4 records
+    tier, primary = h.make_tier(str(root), capacity_bytes=capacity)
+    async with tier:
+        assert await h.store_in_fours(tier, primary, 0, 4) == [True] * 4
+        await asyncio.to_thread(tier.directory.rename, root / "moved")
+        await asyncio.to_thread(tier.directory.symlink_to, elsewhere)
+        assert await h.store_in_fours(tier, primary, 4, 32) == [True] * 28
+        assert tier.stats()["slabs"] > 1
+        assert await h.load_and_check(tier, primary, [h.key_for(i) for i in range(24, 32)]) == [True] * 8
+    assert await asyncio.to_thread(os.listdir, elsewhere) == []
+
+
+@pytest.mark.parametrize("command", [["stat"], ["verify"], ["gc", "--capacity", "1G"]])
+def test_fs_commands_check_root_as_the_tier_does(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The attack: a root others may write to (0777), handed to `kvtier fs`.
+    root, _ = stored_root(tmp_path)
+    root.chmod(0o777)
+    assert main(["fs", command[0], str(root), *command[1:]]) == 2
+    assert "may be written by group or others" in capsys.readouterr().err
+
+
+def plant_log_bomb(directory: Path, block_nbytes: int, links: range) -> None:
+    """One valid 8 MiB index log (entries naming records 0-3 over and over), hard-linked as the
+    log of every slab number in `links`, each with an empty data file."""
+    from kvtier_async.tiers.fs.layout import encode_entry
+
+    entries = (8 << 20) // ENTRY
+    bomb = directory / f"slab-{block_nbytes}-{links[0]:06d}.idx"
+    bomb.write_bytes(
+        b"".join(encode_entry(1 + n, n % 4, n.to_bytes(32, "little"), n) for n in range(entries))
+    )
+    for slab in links:
+        data = directory / f"slab-{block_nbytes}-{slab:06d}.kvs"
+        data.write_bytes(b"")
+        if slab != links[0]:
+            os.link(bomb, data.with_suffix(".idx"))
+
+
+@pytest.mark.asyncio
+async def test_a_hard_linked_index_log_bomb_is_read_once_within_the_capacity(tmp_path: Path) -> None:
+    # The attack: one valid 8 MiB index log hard-linked under 40 slab numbers, most beyond what
+    # the namespace's capacity allows, to multiply what a restart reads into memory.
+    import tracemalloc
+
+    root = str(tmp_path / "root")
+    capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # 16 slabs of 4 records
+    tier, primary = h.make_tier(root, capacity_bytes=capacity)
+    keys = [h.key_for(i) for i in range(4)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 4
+    await asyncio.to_thread(plant_log_bomb, tier.directory, tier.files.block_nbytes, range(1, 41))
+    skipped = kvtier_async.tiers.fs.layout.foreign_files_skipped()
+    again, primary = h.make_tier(root, capacity_bytes=capacity)
+    tracemalloc.start()
+    try:
+        async with again:
+            peak = tracemalloc.get_traced_memory()[1]
+            assert await h.load_and_check(again, primary, keys) == [True] * 4
+            # Slabs 2-15 are the bomb's second names below the capacity's 16 slabs: read once.
+            assert again.stats()["foreign_files_skipped"] == skipped + 14
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20  # one log's worth of entries, not forty
+
+
+def sealed_root(tmp_path: Path, secret_env: str, *, format_2: bool = False) -> tuple[Path, Path]:
+    """A root with one sealed namespace holding two blocks; `format_2`: its directory made as
+    kvtier_async before format 3 made it (a FORMAT that records no kind)."""
+    root = tmp_path / "root"
+
+    async def store() -> Path:
+        tier, primary = h.make_tier(str(root), secret_env=secret_env)
+        if format_2:
+            tier.directory.mkdir(parents=True, mode=0o700)
+            (tier.directory / "FORMAT").write_text("kvtier-fs 2\n")
+        async with tier:
+            assert await h.store_keys(tier, primary, [h.key_for(0), h.key_for(1)]) == [True, True]
+        again, primary = h.make_tier(str(root), secret_env=secret_env)
+        async with again:
+            assert await h.load_and_check(again, primary, [h.key_for(0), h.key_for(1)]) == [True, True]
+        return tier.directory
+
+    return root, asyncio.run(store())
+
+
+def flip_a_payload_byte(directory: Path) -> None:
+    """One byte flipped inside the first live record's ciphertext (not its header, not its tag)."""
+    from kvtier_async.tiers.fs.layout import Folder, latest_per_record, read_log
+
+    [data] = directory.glob("slab-*.kvs")
+    with Folder.open(directory) as folder:
+        entries, _, _ = read_log(folder / data.with_suffix(".idx").name)
+    record = min(r for r, e in latest_per_record(entries).items() if not e.deleted)
+    with open(data, "r+b") as f:
+        f.seek(record * record_bytes_for(int(data.name.split("-")[1])) + 36 + 1000)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_fs_verify_opens_sealed_records_with_the_secret(
+    tmp_path: Path, tier_secret_env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The attack: one ciphertext byte of a sealed block flipped, where neither the record's
+    # header nor its tag (all that verify checked) changes.
+    root, directory = sealed_root(tmp_path, tier_secret_env)
+    flip_a_payload_byte(directory)
+    assert main(["fs", "verify", str(root)]) == 0
+    assert "payloads not checked: give the tier secret" in capsys.readouterr().out
+    assert main(["fs", "verify", str(root), "--secret-env", tier_secret_env]) == 1
+    out = capsys.readouterr().out
+    assert "2 blocks checked, 1 corrupt" in out and "not checked" not in out
+    assert "fs-tests: 2 blocks checked" in out  # with the secret, the namespace's own name
+    assert main(["fs", "verify", str(root), "--secret-env", tier_secret_env, "--remove"]) == 1
+    assert main(["fs", "verify", str(root), "--secret-env", tier_secret_env]) == 0
+    assert "1 blocks checked, 0 corrupt" in capsys.readouterr().out
+
+
+def test_fs_verify_with_another_secret_checks_no_payload(
+    tmp_path: Path, tier_secret_env: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, _ = sealed_root(tmp_path, tier_secret_env)
+    from kvtier_async.secret import new_secret
+
+    monkeypatch.setenv("OTHER_SECRET", new_secret())
+    assert main(["fs", "verify", str(root), "--secret-env", "OTHER_SECRET"]) == 0
+    assert "the secret given is not this namespace's" in capsys.readouterr().out
+
+
+def test_a_plain_namespace_named_like_the_sealed_label_is_not_misread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The attack: a plain namespace named exactly like the label a sealed namespace's NAMESPACE
+    # file carries, so that verify took its blocks for sealed ones: all "corrupt", and removed.
+    from kvtier_async.tiers.fs.layout import SEALED_NAMESPACE_LABEL
+
+    root = tmp_path / "root"
+
+    async def store() -> None:
+        tier, primary = h.make_tier(str(root), namespace=SEALED_NAMESPACE_LABEL)
+        async with tier:
+            assert await h.store_keys(tier, primary, [h.key_for(0), h.key_for(1)]) == [True, True]
+
+    asyncio.run(store())
+    assert main(["fs", "verify", str(root), "--remove"]) == 0
+    assert "2 blocks checked, 0 corrupt" in capsys.readouterr().out
+
+
+def test_a_format_2_sealed_root_still_loads_and_verify_flags_no_good_block(
+    tmp_path: Path, tier_secret_env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, directory = sealed_root(tmp_path, tier_secret_env, format_2=True)
+    assert (directory / "FORMAT").read_text() == "kvtier-fs 2\n"  # left as it was
+    assert main(["fs", "verify", str(root), "--secret-env", tier_secret_env, "--remove"]) == 0
+    out = capsys.readouterr().out
+    assert "2 blocks checked, 0 corrupt" in out and "sealed payloads not checked (format 2" in out
+
+
+def test_index_entries_tell_the_write_time_to_the_second_only(tmp_path: Path) -> None:
+    # The attack: reading a root's index logs (no secret needed) for when each block was
+    # written, to the nanosecond: the timing of another tenant's requests.
+    from kvtier_async.tiers.fs.layout import SEQ_GRAIN_NS, Folder, read_log
+
+    _, directory = stored_root(tmp_path)
+    [log] = directory.glob("slab-*.idx")
+    with Folder.open(directory) as folder:
+        entries, _, _ = read_log(folder / log.name)
+    assert len(entries) == 2
+    # A whole grain (about a second) of wall clock, then a count: nothing finer of the clock.
+    assert all(e.seq % SEQ_GRAIN_NS < len(entries) for e in entries)
+
+
+@pytest.mark.asyncio
+async def test_an_entry_numbered_far_ahead_does_not_stop_the_writers(tmp_path: Path) -> None:
+    # The attack: a planted log entry whose sequence number is the largest there is, so that a
+    # process numbering its entries past what it read would have no number left to write.
+    from kvtier_async.tiers.fs.layout import encode_entry
+
+    root = str(tmp_path / "root")
+    tier, primary = h.make_tier(root)
+    async with tier:
+        assert await h.store_keys(tier, primary, [h.key_for(0)]) == [True]
+    planted = tier.directory / f"slab-{tier.files.block_nbytes}-000003"
+    await asyncio.to_thread(planted.with_suffix(".kvs").write_bytes, b"")
+    await asyncio.to_thread(planted.with_suffix(".idx").write_bytes, encode_entry(2**64 - 1, 0, b"k" * 32, 0))
+    again, primary = h.make_tier(root)
+    async with again:
+        keys = [h.key_for(i) for i in range(1, 5)]
+        assert await h.store_keys(again, primary, keys) == [True] * 4
+        assert await h.load_and_check(again, primary, keys) == [True] * 4
+        assert again.stats()["write_errors"] == 0

@@ -13,12 +13,14 @@ from kvtier_async.block_format import (
     pack_header,
     verify_header,
 )
+from kvtier_async.tiers.fs import layout
 from kvtier_async.tiers.fs.layout import (
     ENTRY,
+    Folder,
+    NamespaceDir,
     compact_log,
     decode_entries,
     encode_entry,
-    replay,
     slab_path,
 )
 
@@ -26,8 +28,18 @@ RECORD = 8192
 
 
 def write_slab(directory: Path, slab: int, records: int, entries: list[bytes]) -> None:
-    slab_path(directory, RECORD, slab, "kvs").write_bytes(bytes(records * RECORD))
-    slab_path(directory, RECORD, slab, "idx").write_bytes(b"".join(entries))
+    (directory / f"slab-{RECORD}-{slab:06d}.kvs").write_bytes(bytes(records * RECORD))
+    (directory / f"slab-{RECORD}-{slab:06d}.idx").write_bytes(b"".join(entries))
+
+
+def replay(directory: Path, block_nbytes: int) -> NamespaceDir:
+    with Folder.open(directory) as folder:
+        return layout.replay(folder, block_nbytes)
+
+
+def compact(directory: Path, slab: int) -> int:
+    with Folder.open(directory) as folder:
+        return compact_log(slab_path(folder, RECORD, slab, "idx"))
 
 
 def test_entries_round_trip_and_a_torn_tail_is_ignored() -> None:
@@ -64,7 +76,7 @@ def test_replay_newest_entry_per_record_wins(tmp_path: Path) -> None:
 def test_replay_changes_nothing_and_ignores_other_block_sizes(tmp_path: Path) -> None:
     write_slab(tmp_path, 0, 2, [encode_entry(1, 0, b"k", 1)])
     (tmp_path / "slab-8192-000000.idx.tmp").write_bytes(b"a compaction in progress")
-    slab_path(tmp_path, 4096 * 3, 0, "kvs").write_bytes(bytes(3 * 4096))
+    (tmp_path / f"slab-{4096 * 3}-000000.kvs").write_bytes(bytes(3 * 4096))
     before = sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir())
     found = replay(tmp_path, RECORD)
     assert list(found.slabs) == [0]
@@ -77,7 +89,7 @@ def test_the_last_entry_in_the_log_wins_whatever_its_sequence_number(tmp_path: P
     assert replay(tmp_path, RECORD).live == {}
     write_slab(tmp_path, 0, 2, [encode_entry(9, 0, b"a", 0, deleted=True), encode_entry(3, 0, b"b", 2)])
     assert replay(tmp_path, RECORD).live == {(0, 0): (b"b", 3, 2)}
-    assert compact_log(slab_path(tmp_path, RECORD, 0, "idx")) == 1
+    assert compact(tmp_path, 0) == 1
     assert replay(tmp_path, RECORD).live == {(0, 0): (b"b", 3, 2)}
 
 
@@ -94,7 +106,7 @@ def test_compaction_keeps_only_live_entries(tmp_path: Path) -> None:
         ],
     )
     before = replay(tmp_path, RECORD).live
-    assert compact_log(slab_path(tmp_path, RECORD, 0, "idx")) == 1
+    assert compact(tmp_path, 0) == 1
     assert replay(tmp_path, RECORD).live == before
 
 

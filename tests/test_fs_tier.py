@@ -554,10 +554,10 @@ async def test_a_log_removed_as_it_is_compacted_leaves_the_writer_a_log(
     renamed = threading.Event()
     real_replace = os.replace
 
-    def replace_then_remove(src: Any, dst: Any) -> None:
-        real_replace(src, dst)
+    def replace_then_remove(src: Any, dst: Any, **dir_fds: Any) -> None:
+        real_replace(src, dst, **dir_fds)
         if str(dst).endswith(".idx"):
-            os.unlink(dst)  # the operator's rm, just then
+            os.unlink(dst, dir_fd=dir_fds.get("dst_dir_fd"))  # the operator's rm, just then
             renamed.set()
 
     monkeypatch.setattr(kvtier_async.tiers.fs.layout.os, "replace", replace_then_remove)
@@ -821,7 +821,7 @@ async def test_a_format_1_cache_is_rebuilt_and_never_read(tmp_path: Path) -> Non
         f"slab-{h.BLOCK_NBYTES}-000000.idx",
         f"slab-{h.BLOCK_NBYTES}-000000.kvs",
     ]
-    assert (await asyncio.to_thread((directory / "FORMAT").read_text)) == "kvtier-fs 2\n"
+    assert (await asyncio.to_thread((directory / "FORMAT").read_text)) == "kvtier-fs 3 plain\n"
 
 
 @pytest.mark.asyncio
@@ -849,7 +849,7 @@ async def test_a_cache_in_a_newer_format_is_refused_and_left_alone(tmp_path: Pat
     async with tier:
         assert await h.store_keys(tier, primary, [h.key_for(0)]) == [True]
     [directory] = await asyncio.to_thread(files, tmp_path, "kvtier-*")
-    await asyncio.to_thread((directory / "FORMAT").write_text, "kvtier-fs 3\n")
+    await asyncio.to_thread((directory / "FORMAT").write_text, "kvtier-fs 4\n")
 
     def listing() -> list[tuple[str, int]]:
         return sorted((p.name, p.stat().st_size) for p in directory.iterdir())
@@ -857,7 +857,7 @@ async def test_a_cache_in_a_newer_format_is_refused_and_left_alone(tmp_path: Pat
     before = await asyncio.to_thread(listing)
     tier, _ = h.make_tier(str(tmp_path))
     async with tier:
-        with pytest.raises(kt.KVTierError, match=r"another format \('kvtier-fs 3'.*reads 'kvtier-fs 2'"):
+        with pytest.raises(kt.KVTierError, match=r"another format \('kvtier-fs 4'.*reads formats 2 and 3"):
             await tier.open()
     assert (
         await asyncio.to_thread(lambda: sorted((p.name, p.stat().st_size) for p in directory.iterdir()))

@@ -25,7 +25,7 @@ import kvtier_async.tiers.redis_tier  # imported up front: a first import reads 
 from kvtier_async.block_format import encode_block, namespace_id, sealed_fingerprint
 from kvtier_async.secret import new_secret
 from kvtier_async.testing import make_key
-from kvtier_async.tiers.fs.layout import encode_entry, read_log
+from kvtier_async.tiers.fs.layout import Folder, encode_entry, read_log
 
 NAMESPACE = "tenant-a/llama-3-8b"
 BLOCK = 2 * 4096 + 136
@@ -266,7 +266,8 @@ async def test_shared_fs_root_with_a_secret(
 def tamper(directory: Path, record_bytes: int, stored_nbytes: int) -> None:
     [data] = directory.glob("slab-*.kvs")
     log = data.with_suffix(".idx")
-    entries, _, _ = read_log(log)
+    with Folder.open(directory) as folder:
+        entries, _, _ = read_log(folder / log.name)
     live = {e.record: e for e in entries if not e.deleted}
     assert len(live) == 4
     r = sorted(live)

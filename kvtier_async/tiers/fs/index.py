@@ -10,12 +10,11 @@ means a file descriptor may be closed, it returns the descriptor: the tier close
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .layout import ENTRY, Entry, latest_per_record
+from .layout import ENTRY, Entry, coarse_time_ns, latest_per_record
 
 __all__ = ["Claim", "LogNews", "OtherSlab", "OwnSlab", "Record", "SlabIndex"]
 
@@ -43,7 +42,7 @@ class OtherSlab:
     log_inode: int = 0
     log_offset: int = 0
     records: set[int] = field(default_factory=set)  # those in our index
-    newest: int = 0  # the newest entry's sequence number (wall-clock ns): the slab's age
+    newest: int = 0  # the newest entry's sequence number (`RecordIO.next_seq`): the slab's age
     readers: int = 0  # reads in flight on data_fd
     gone: bool = False  # forgotten: data_fd closes when the last reader is done
 
@@ -90,7 +89,10 @@ class SlabIndex:
         self.holds: dict[bytes, list[Record]] = {}  # `hold`s not yet released: each pins its record
         self.free: list[Record] = []  # own records that hold nothing; popped from the end
         self.disk_live: set[Record] = set()  # own records whose last log entry names a block
-        self.age: dict[Record, int] = {}  # own published records: when written (wall-clock ns)
+        self.age: dict[Record, int] = {}  # own published records: when written (`clock`)
+        #: What a block published now is as old as, in the logs' sequence numbers (the tier's
+        #: `RecordIO.current_seq`; the coarse clock where there are no logs).
+        self.clock: Callable[[], int] = coarse_time_ns
         self.own: dict[int, OwnSlab] = {}
         self.others: dict[int, OtherSlab] = {}
 
@@ -224,7 +226,7 @@ class SlabIndex:
         self.where[key] = where
         self.entry[where] = (key, checksum)
         self.lru[where] = None
-        self.age[where] = time.time_ns()
+        self.age[where] = self.clock()
         self.disk_live.add(where)
 
     # -- forgetting ------------------------------------------------------------------------------

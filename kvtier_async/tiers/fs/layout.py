@@ -1,7 +1,8 @@
-"""On-disk layout of the file-system tier (format 2): slab files of bare records plus index logs.
+"""On-disk layout of the file-system tier (format 3): slab files of bare records plus index logs.
 
     ROOT/kvtier-<namespace id hex>/            0700, one per namespace, shared by processes
-        FORMAT                                 "kvtier-fs 2": the layout version
+        FORMAT                                 "kvtier-fs 3 plain" or "kvtier-fs 3 sealed <hex>":
+                                               the layout version and the records' kind
         NAMESPACE                              the namespace's name (for `kvtier fs stat`)
         slab-<block bytes>-<n>.kvs             0600: records of one block size, nothing else
         slab-<block bytes>-<n>.idx             0600: append-only log of what each record holds
@@ -28,6 +29,11 @@ when that process exits, however it exits). Anyone reads any slab, following
 its log. Slab numbers run below the namespace's capacity in slabs, so the
 capacity bound holds for every process together.
 
+Format 2 is format 3 without the kind (`DirFormat`): still read and written, its sealed records
+bound to their keys as they were written. Every file of a directory is reached through its
+descriptor (`Folder`, `At`) and opened by `open_private_file`, so nothing planted or swapped in
+it is followed.
+
 Format 1 (kvtier_async before this layout) put a 4096-byte header before
 every payload and had one process lock the whole directory; `prepare_directory`
 removes such a cache when no format-1 process holds it, and refuses otherwise.
@@ -45,6 +51,7 @@ import re
 import stat
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,12 +64,18 @@ from ...errors import ConfigError, KVTierError, NamespaceInUseError
 __all__ = [
     "ENTRY",
     "FORMAT_VERSION",
+    "At",
+    "DirFormat",
     "Entry",
+    "Folder",
     "NamespaceDir",
     "compact_log",
     "decode_entries",
     "encode_entry",
     "namespace_dir_name",
+    "open_namespace_dir",
+    "open_private_file",
+    "open_root",
     "prepare_directory",
     "read_log",
     "record_bytes_for",
@@ -75,23 +88,188 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-FORMAT_VERSION = 2
-FORMAT_TEXT = f"kvtier-fs {FORMAT_VERSION}\n"
+FORMAT_VERSION = 3
+#: What a FORMAT file of each version this kvtier_async reads says: format 2 (slabs and logs as
+#: now, nothing recorded of its records' kind) and format 3 (the same files, and the kind: plain,
+#: or sealed with the namespace's name sealed under the secret, for `kvtier fs verify`).
+_FORMAT_RE = re.compile(r"kvtier-fs (2)\n|kvtier-fs (3) (plain|sealed [0-9a-f]{2,1024})\n")
 _ENTRY_FIELDS = struct.Struct("<IQIBB128sQ")  # magic, seq, record, flags, key_len, key, checksum
 ENTRY = _ENTRY_FIELDS.size + 8  # fields + their XXH3-64
 _ENTRY_MAGIC = 0x4B565432  # "KVT2"
 #: Flags for every open of a namespace directory's files: a symlink is never followed, a FIFO
 #: planted under a file's name never hangs the open.
 NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-#: What a sealed namespace's NAMESPACE file says: its name is not written in clear, and its
-#: index entries' checksums are of sealed values (`block_format.sealed_fingerprint`).
+#: What a sealed namespace's NAMESPACE file says: its name is not written in clear. Display
+#: text only: whether records are sealed is the FORMAT file's field (`DirFormat`).
 SEALED_NAMESPACE_LABEL = "(sealed: the name is known only with the secret)"
+#: The key a sealed namespace's name is sealed under in its FORMAT file.
+_NAME_KEY = b"kvtier-fs namespace name"
 _LOG_READ_BYTES = (1 << 20) // ENTRY * ENTRY
 #: A log is read no further than this (a slab's records, each logged a few times over, fit
 #: many times; a sparse file planted to look huge is not read whole into memory).
 MAX_LOG_BYTES = 256 << 20
 FLAG_DELETED = 1
+#: An index entry's sequence number is its write time cut to this grain (about a second), then
+#: counted up by its writer: processes order slabs by age to that grain (adoption, `kvtier fs
+#: gc`), and a log read without the secret tells no finer when each block was written.
+SEQ_GRAIN_NS = 1 << 30
 SLAB_RE = re.compile(r"^slab-(\d+)-(\d+)\.(kvs|idx)$")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Folder:
+    """A directory held open: every name in it is opened, listed, renamed and removed relative
+    to this descriptor (openat), never through the directory's path again, so a directory
+    swapped for a symlink after it was opened is never followed. `path` is for messages."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = path
+
+    @classmethod
+    def open(cls, path: Path) -> Folder:
+        """The directory at `path` (a symlink at its last component is refused: `OSError`)."""
+        return cls(os.open(path, _DIR_FLAGS), path)
+
+    def __truediv__(self, name: str) -> At:
+        return At(self, name)
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def names(self) -> list[str]:
+        return os.listdir(self.fd)
+
+    def removed(self) -> bool:
+        """Whether the directory was removed (rmdir'd) since it was opened."""
+        return os.fstat(self.fd).st_nlink == 0
+
+    def free_bytes(self) -> int:
+        st = os.fstatvfs(self.fd)
+        return st.f_bavail * st.f_frsize
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Serialise set-up and maintenance of this directory among processes (an open file of
+        its own: a flock on `fd` would not exclude this process's other threads)."""
+        fd = os.open(".", _DIR_FLAGS, dir_fd=self.fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for milliseconds: waiting is fine
+            yield
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class At:
+    """A name in a `Folder`: what a `Path` is to the tier's files, resolved through the
+    folder's descriptor."""
+
+    folder: Folder
+    name: str
+
+    def __str__(self) -> str:
+        return str(self.folder.path / self.name)
+
+    def with_name(self, name: str) -> At:
+        return At(self.folder, name)
+
+    def open(self, flags: int = os.O_RDONLY, mode: int = FILE_MODE) -> int:
+        """`open_private_file` of this name."""
+        return open_private_file(self, flags, mode)
+
+    def stat(self) -> os.stat_result:
+        """The name's own status (a symlink's, not its target's)."""
+        return os.stat(self.name, dir_fd=self.folder.fd, follow_symlinks=False)
+
+    def exists(self) -> bool:
+        try:
+            self.stat()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            os.unlink(self.name, dir_fd=self.folder.fd)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def replace(self, target: At) -> None:
+        os.replace(self.name, target.name, src_dir_fd=self.folder.fd, dst_dir_fd=target.folder.fd)
+
+
+@dataclass(frozen=True, slots=True)
+class DirFormat:
+    """What a namespace directory's FORMAT file says."""
+
+    version: int  # 2 or 3
+    #: "plain" or "sealed"; None in format 2, which did not record it (either may be there).
+    kind: str | None = None
+    #: Format 3, sealed: the namespace's name sealed under the secret (`open_namespace_name`).
+    sealed_name: bytes = b""
+
+    @classmethod
+    def parse(cls, text: str) -> DirFormat | None:
+        match = _FORMAT_RE.fullmatch(text)
+        if match is None:
+            return None
+        if match[1]:
+            return cls(2)
+        kind, _, name = match[3].partition(" ")
+        return cls(3, kind, bytes.fromhex(name) if len(name) % 2 == 0 else b"")
+
+    @property
+    def records_bound_to_names(self) -> bool:
+        """Whether sealed records are bound to their index names (format 3), which `kvtier fs
+        verify` can check with the secret alone, or to their keys (format 2), which it cannot."""
+        return self.version >= 3
+
+
+def format_text(kind: str, version: int = FORMAT_VERSION) -> str:
+    """The FORMAT file of a new directory: `kind` "plain" or "sealed <hex sealed name>"
+    (version 2, which records no kind: only to make again a directory of that format)."""
+    return "kvtier-fs 2\n" if version == 2 else f"kvtier-fs {version} {kind}\n"
+
+
+def seal_namespace_name(secret: bytes, namespace: str) -> str:
+    """A sealed namespace's FORMAT kind: its name sealed under the secret (hex)."""
+    from ...block_format import BlockSealer
+
+    name = namespace.encode()
+    sealer = BlockSealer(secret, "")
+    value = bytearray(sealer.value_nbytes(len(name)))
+    sealer.seal_into(memoryview(value), memoryview(name), _NAME_KEY)
+    return "sealed " + value.hex()
+
+
+def open_namespace_name(secret: bytes, sealed_name: bytes) -> str | None:
+    """The namespace name a FORMAT file holds sealed; None unless it opens under `secret`."""
+    from ...block_format import SEAL_OVERHEAD, BlockSealer
+
+    if len(sealed_name) <= SEAL_OVERHEAD:
+        return None
+    name = bytearray(len(sealed_name) - SEAL_OVERHEAD)
+    if not BlockSealer(secret, "").open_into(memoryview(name), memoryview(sealed_name), _NAME_KEY):
+        return None
+    return name.decode(errors="replace")
+
+
+def coarse_time_ns() -> int:
+    """The wall clock cut to `SEQ_GRAIN_NS`: what a sequence number starts from."""
+    return time.time_ns() // SEQ_GRAIN_NS * SEQ_GRAIN_NS
 
 
 def namespace_dir_name(namespace_tag: bytes) -> str:
@@ -134,8 +312,11 @@ def decode_entries(data: bytes) -> list[Entry]:
     return out
 
 
-def read_log(path: Path, offset: int = 0) -> tuple[list[Entry], int, int]:
-    """(whole entries from `offset`, the offset after the last of them, the log's inode).
+def read_log(
+    path: At, offset: int = 0, max_entries: int = MAX_LOG_BYTES // ENTRY
+) -> tuple[list[Entry], int, int]:
+    """(whole entries from `offset`, at most `max_entries`; the offset after the last of them;
+    the log's inode).
 
     An entry being appended right now, or torn by a writer that died, stops the
     read; a later read from the returned offset picks up what follows.
@@ -145,13 +326,14 @@ def read_log(path: Path, offset: int = 0) -> tuple[list[Entry], int, int]:
     try:
         inode = os.fstat(fd).st_ino
         position = offset
+        end = offset + min(max_entries * ENTRY, MAX_LOG_BYTES)
         # Whole entries a read; the first entry that does not check out ends the log, so a
         # damaged or planted (sparse, huge) file costs one read, not its size in memory.
-        while position < MAX_LOG_BYTES and (chunk := os.pread(fd, _LOG_READ_BYTES, position)):
+        while position < end and (chunk := os.pread(fd, min(_LOG_READ_BYTES, end - position), position)):
             got = decode_entries(chunk)
             entries += got
             position += len(got) * ENTRY
-            if len(got) * ENTRY < _LOG_READ_BYTES:
+            if len(got) * ENTRY < len(chunk) or len(chunk) < _LOG_READ_BYTES:
                 break
     finally:
         os.close(fd)
@@ -171,7 +353,7 @@ def latest_per_record(entries: list[Entry]) -> dict[int, Entry]:
 class NamespaceDir:
     """What replaying one namespace directory found, for one block size."""
 
-    path: Path
+    folder: Folder
     block_nbytes: int
     #: slab number -> records its data file holds bytes for (from its size)
     slabs: dict[int, int] = field(default_factory=dict)
@@ -180,41 +362,67 @@ class NamespaceDir:
     max_seq: int = 0
 
 
-def slab_path(directory: Path, block_nbytes: int, slab: int, kind: str) -> Path:
-    return directory / f"slab-{block_nbytes}-{slab:06d}.{kind}"
+def slab_path(folder: Folder, block_nbytes: int, slab: int, kind: str) -> At:
+    return folder / f"slab-{block_nbytes}-{slab:06d}.{kind}"
 
 
-def slab_numbers(directory: Path, block_nbytes: int) -> list[int]:
+def slab_numbers(folder: Folder, block_nbytes: int) -> list[int]:
     """Slabs of this block size that have a data file."""
     numbers = []
-    for name in os.listdir(directory):
+    for name in folder.names():
         match = SLAB_RE.match(name)
         if match and int(match[1]) == block_nbytes and match[3] == "kvs":
             numbers.append(int(match[2]))
     return sorted(numbers)
 
 
-def replay(directory: Path, block_nbytes: int) -> NamespaceDir:
+def skip_linked_log(path: At, seen: set[int], inode: int | None = None) -> bool:
+    """Whether the log at `path` (its inode, if known) is one already read under another slab's
+    name (a hard link: planted, never made by a writer, so its entries are read once, not once
+    per name); counts it as foreign. Adds its inode to `seen` otherwise."""
+    if inode is None:
+        try:
+            inode = path.stat().st_ino
+        except FileNotFoundError:
+            return False  # the reader finds out
+    if inode in seen:
+        _skip_foreign(path, "a second name of a log already read (a hard link)")
+        return True
+    seen.add(inode)
+    return False
+
+
+def replay(folder: Folder, block_nbytes: int) -> NamespaceDir:
     """The index of one namespace directory, from its logs; reads no payload and changes nothing,
     so it is safe while processes use the directory."""
-    found = NamespaceDir(directory, block_nbytes)
+    found = NamespaceDir(folder, block_nbytes)
     record_bytes = record_bytes_for(block_nbytes)
     latest: list[tuple[int, int, Entry]] = []
-    for slab in slab_numbers(directory, block_nbytes):
+    logs_seen: set[int] = set()
+    for slab in slab_numbers(folder, block_nbytes):
+        log_path = slab_path(folder, block_nbytes, slab, "idx")
+        if skip_linked_log(log_path, logs_seen):
+            continue
         try:
-            size = os.stat(slab_path(directory, block_nbytes, slab, "kvs")).st_size
-            entries, _, _ = read_log(slab_path(directory, block_nbytes, slab, "idx"))
+            fd = open_private_file(slab_path(folder, block_nbytes, slab, "kvs"))
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            entries, _, _ = read_log(log_path)
         except FileNotFoundError:
-            continue  # removed meanwhile, or a log not made yet
+            continue  # removed meanwhile, a log not made yet, or not ours
         found.slabs[slab] = size // record_bytes
         for e in entries:
             found.max_seq = max(found.max_seq, e.seq)
-        latest += [(slab, record, e) for record, e in latest_per_record(entries).items()]
+        latest += [
+            (slab, record, e)
+            for record, e in latest_per_record(entries).items()
+            if record < found.slabs[slab] and not e.deleted
+        ]
     # Oldest first; a key found in two records (two processes stored it) keeps its newest.
     newest_of_key: dict[bytes, tuple[int, int]] = {}
     for slab, record, e in sorted(latest, key=lambda item: item[2].seq):
-        if e.deleted or record >= found.slabs[slab]:
-            continue
         previous = newest_of_key.pop(e.key, None)
         if previous is not None:
             del found.live[previous]
@@ -223,7 +431,7 @@ def replay(directory: Path, block_nbytes: int) -> NamespaceDir:
     return found
 
 
-def compact_log(path: Path, *, fsync: bool = False) -> int:
+def compact_log(path: At, *, fsync: bool = False) -> int:
     """Rewrite a log with only the latest entry per record, dropping deletions; returns entries.
 
     Writes a temporary file and renames it over the log, so a crash leaves
@@ -235,7 +443,7 @@ def compact_log(path: Path, *, fsync: bool = False) -> int:
     return entries
 
 
-def rewrite_log(path: Path, *, fsync: bool = False) -> tuple[int, int]:
+def rewrite_log(path: At, *, fsync: bool = False) -> tuple[int, int]:
     """`compact_log`, returning also a descriptor open for appending to the new log (the caller
     closes it): a writer keeps that one rather than open the path again, which by then may
     name nothing (a root removed by hand) or another file, and would leave it without a log."""
@@ -245,14 +453,13 @@ def rewrite_log(path: Path, *, fsync: bool = False) -> tuple[int, int]:
     data = b"".join(encode_entry(e.seq, e.record, e.key, e.checksum) for e in keep)
     tmp.unlink(missing_ok=True)  # a crashed compaction's, or a planted link: removed, never followed
     try:
-        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, FILE_MODE)
+        fd = tmp.open(os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_APPEND)
         try:
             if os.write(fd, data) != len(data):
                 raise OSError(errno.ENOSPC, "short write of a compacted log")
             if fsync:
                 os.fsync(fd)
-            os.replace(tmp, path)
+            tmp.replace(path)
         except BaseException:
             os.close(fd)
             raise
@@ -262,10 +469,10 @@ def rewrite_log(path: Path, *, fsync: bool = False) -> tuple[int, int]:
     return len(keep), fd
 
 
-def append_to_log(path: Path, data: bytes) -> None:
+def append_to_log(path: At, data: bytes) -> None:
     """Append whole entries to a log another process may be writing: one O_APPEND write, which
     never interleaves with that writer's own appends."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | NO_FOLLOW)
+    fd = path.open(os.O_WRONLY | os.O_APPEND)
     try:
         os.write(fd, data)
     finally:
@@ -281,10 +488,10 @@ def try_flock(fd: int) -> bool:
     return True
 
 
-def slab_is_owned(directory: Path, block_nbytes: int, slab: int) -> bool:
+def slab_is_owned(folder: Folder, block_nbytes: int, slab: int) -> bool:
     """Whether a process holds this slab as its writer right now."""
     try:
-        fd = os.open(slab_path(directory, block_nbytes, slab, "kvs"), os.O_RDONLY | NO_FOLLOW)
+        fd = slab_path(folder, block_nbytes, slab, "kvs").open()
     except FileNotFoundError:
         return False
     try:
@@ -293,71 +500,78 @@ def slab_is_owned(directory: Path, block_nbytes: int, slab: int) -> bool:
         os.close(fd)  # closing drops a lock we took
 
 
-@contextmanager
-def directory_lock(directory: Path) -> Iterator[None]:
-    """Serialise set-up and maintenance of one namespace directory among processes."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held for milliseconds: waiting is fine
-        yield
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: At, text: str) -> None:
     """Replace `path` with `text`, through a temporary file made anew (O_EXCL, O_NOFOLLOW): a
     symlink planted under the temporary name is never followed, written or truncated."""
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)  # ours, left by a crash (unlink removes a link, not its target)
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    fd = tmp.open(os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.replace(tmp, path)
+    tmp.replace(path)
 
 
 _foreign_lock = threading.Lock()
 _foreign_skipped = 0
+#: The names already skipped (counted and logged once each; forgotten past a bound).
+_foreign_seen: set[str] = set()
+_FOREIGN_SEEN_MAX = 4096
 
 
 def foreign_files_skipped() -> int:
-    """Files skipped as foreign (`ForeignFile`) by this process, every root and namespace together."""
+    """Files skipped as foreign (`ForeignFile`) by this process, every root and namespace together;
+    a name skipped again and again (a planted slab, met on every refresh) counts once."""
     return _foreign_skipped
 
 
-def _skip_foreign(path: Path, what: str) -> ForeignFile:
+def _skip_foreign(path: At, what: str) -> ForeignFile:
     global _foreign_skipped
+    name = str(path)
     with _foreign_lock:  # worker threads skip files at once
-        _foreign_skipped += 1
-    log.warning("fs tier: skipped %r, %s", str(path), what)
+        first = name not in _foreign_seen
+        if first:
+            if len(_foreign_seen) >= _FOREIGN_SEEN_MAX:
+                _foreign_seen.clear()
+            _foreign_seen.add(name)
+            _foreign_skipped += 1
+    if first:
+        log.warning("fs tier: skipped %r, %s", name, what)
     return ForeignFile(errno.ENOENT, f"{what}, skipped")
 
 
 class ForeignFile(FileNotFoundError):
     """A name in a namespace directory that is not a regular file of ours (a symlink, a FIFO,
-    another user's file: planted). Read as absent, like a file removed meanwhile, so every
-    reader skips it; logged."""
+    another user's file, one others may write: planted). Read as absent, like a file removed
+    meanwhile, so every reader skips it; counted and logged."""
 
 
-def open_private_file(path: Path, flags: int = os.O_RDONLY) -> int:
-    """Open a file of a namespace directory without following a symlink or hanging on a FIFO;
-    `FileNotFoundError` where it is absent, `ForeignFile` unless it is a regular file of ours."""
+#: What an open says of a name that is no file of ours: a symlink (ELOOP, with O_NOFOLLOW), a
+#: FIFO or socket without a reader (ENXIO), a FIFO refusing O_DIRECT (EINVAL).
+_FOREIGN_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.EINVAL})
+
+
+def open_private_file(path: At, flags: int = os.O_RDONLY, mode: int = FILE_MODE) -> int:
+    """Open (or, with O_CREAT, make) a file of a namespace directory: relative to the directory's
+    descriptor, without following a symlink or hanging on a FIFO. `FileNotFoundError` where it is
+    absent, `ForeignFile` unless it is a regular file of this user that nobody else may write.
+    Every file the tier and `kvtier fs` open goes through here."""
     try:
-        fd = os.open(path, flags | NO_FOLLOW)
+        fd = os.open(path.name, flags | NO_FOLLOW, mode, dir_fd=path.folder.fd)
     except OSError as exc:
-        if exc.errno != errno.ELOOP:
+        if exc.errno not in _FOREIGN_ERRNOS:
             raise
-        raise _skip_foreign(path, "a symlink where a file of ours belongs") from None
+        raise _skip_foreign(path, f"not a file of ours ({exc.strerror})") from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise _skip_foreign(path, "not a regular file of this user")
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            raise _skip_foreign(path, "not a regular file of this user that only it may write")
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def read_small(path: Path, limit: int = 4096) -> str | None:
+def read_small(path: At, limit: int = 4096) -> str | None:
     """A small text file of the directory (None: absent), read within `limit` bytes."""
     try:
         fd = open_private_file(path)
@@ -369,79 +583,111 @@ def read_small(path: Path, limit: int = 4096) -> str | None:
         os.close(fd)
 
 
-def check_root(root: Path) -> None:
-    """Make `root` (0700) if missing; refuse one another user owns or others may write to, where
-    they could plant or swap what we read (`ConfigError`)."""
-    make_private_dir(root)
-    info = os.stat(root)  # the operator's path: a symlink to it is the operator's choice
-    if not stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"fs tier: the root {root} is not a directory")
-    if info.st_uid != os.geteuid():
-        raise ConfigError(
-            f"fs tier: the root {root} belongs to uid {info.st_uid}, not this user ({os.geteuid()}); "
-            "another user could swap its files: use a directory of your own"
-        )
-    if info.st_mode & 0o022:
-        raise ConfigError(
-            f"fs tier: the root {root} may be written by group or others (mode "
-            f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or use a private directory"
-        )
-
-
-def check_namespace_dir(directory: Path) -> None:
-    """Make the namespace directory (0700) if missing; refuse a symlink or another user's, and
-    make ours 0700 through a descriptor (never following a link)."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, DIR_MODE)
+def open_root(root: Path, *, create: bool) -> Folder:
+    """The root, held open: made (0700) if missing and `create`; refused (`ConfigError`) unless
+    it is a directory of this user that nobody else may write, where others could plant or swap
+    what we read. Checked through the descriptor we keep, so what is checked is what is used."""
+    if create:
+        make_private_dir(root)
     try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # The operator's path: a symlink to the root is the operator's choice.
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(
-            f"fs tier: {directory} is not a plain directory (a symlink?): {exc.strerror}"
-        ) from None
+        raise ConfigError(f"fs tier: the root {root} is not a directory: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise ConfigError(
+                f"fs tier: the root {root} belongs to uid {info.st_uid}, not this user ({os.geteuid()}); "
+                "another user could swap its files: use a directory of your own"
+            )
+        if info.st_mode & 0o022:
+            raise ConfigError(
+                f"fs tier: the root {root} may be written by group or others (mode "
+                f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or use a private directory"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return Folder(fd, root)
+
+
+def open_namespace_dir(root: Folder, name: str, *, create: bool) -> Folder:
+    """A namespace directory of `root`, held open (made 0700 if missing and `create`); a symlink
+    or another user's is refused (`ConfigError`); ours is made 0700 through its descriptor."""
+    path = root.path / name
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, DIR_MODE, dir_fd=root.fd)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=root.fd)
+    except OSError as exc:
+        raise ConfigError(f"fs tier: {path} is not a plain directory (a symlink?): {exc.strerror}") from None
     try:
         if os.fstat(fd).st_uid != os.geteuid():
-            raise ConfigError(f"fs tier: {directory} belongs to another user")
+            raise ConfigError(f"fs tier: {path} belongs to another user")
         os.fchmod(fd, DIR_MODE)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return Folder(fd, path)
 
 
-def prepare_directory(root: Path, directory: Path, namespace: str) -> None:
-    """Make (or check) a namespace directory of this format; a format-1 cache is removed when no
-    process of that version holds it, and any other format is refused, never misread."""
-    check_root(root)
-    check_namespace_dir(directory)
-    with directory_lock(directory):
-        format_file = directory / "FORMAT"
-        text = read_small(format_file)
-        if text is not None and text != FORMAT_TEXT:
-            raise KVTierError(
-                f"fs tier: {directory} holds a cache in another format ({text.strip()!r}; this "
-                f"kvtier_async reads {FORMAT_TEXT.strip()!r}): use another root, or remove that "
-                "directory if no other version uses it"
-            )
-        if text is None:
-            _remove_format_1(directory)
-            _write_atomically(format_file, FORMAT_TEXT)
-        if read_small(directory / "NAMESPACE") is None:
-            _write_atomically(directory / "NAMESPACE", namespace + "\n")
+def prepare_directory(root: Path, name: str, namespace: str, new_format: str) -> tuple[Folder, DirFormat]:
+    """Make (or check) a namespace directory, held open, and what its FORMAT says. A new one's
+    FORMAT is `new_format` (`format_text`); a format-1 cache is removed when no process of that
+    version holds it; a cache of another format, or of the other kind, is refused, never
+    misread."""
+    ours = DirFormat.parse(new_format)
+    if ours is None:
+        raise ValueError(f"prepare_directory: {new_format!r} is no format of ours")
+    with open_root(root, create=True) as root_folder:
+        folder = open_namespace_dir(root_folder, name, create=True)
+    try:
+        with folder.lock():
+            format_file = folder / "FORMAT"
+            text = read_small(format_file)
+            if text is None:
+                _remove_format_1(folder)
+                text = new_format
+                _write_atomically(format_file, text)
+            found = DirFormat.parse(text)
+            if found is None:
+                raise KVTierError(
+                    f"fs tier: {folder.path} holds a cache in another format ({text.strip()[:40]!r}; "
+                    f"this kvtier_async reads formats 2 and {FORMAT_VERSION}): use another root, or "
+                    "remove that directory if no other version uses it"
+                )
+            if found.kind not in (None, ours.kind):
+                raise KVTierError(
+                    f"fs tier: {folder.path} holds {found.kind} records, and this tier's are not: "
+                    "use another root, or remove that directory"
+                )
+            if read_small(folder / "NAMESPACE") is None:
+                _write_atomically(folder / "NAMESPACE", namespace + "\n")
+    except BaseException:
+        folder.close()
+        raise
+    return folder, found
 
 
-def _remove_format_1(directory: Path) -> None:
+def _remove_format_1(folder: Folder) -> None:
     """Drop a format-1 cache (headers before payloads, one LOCK-holding process): it is a cache, so
     it is rebuilt as blocks are stored. Refused while a format-1 process still holds it."""
-    old = [p for p in directory.iterdir() if SLAB_RE.match(p.name) or p.name == "LOCK"]
+    old = [folder / n for n in folder.names() if SLAB_RE.match(n) or n == "LOCK"]
     if not old:
         return
-    lock = directory / "LOCK"
-    if lock.exists():
-        fd = os.open(lock, os.O_RDWR | NO_FOLLOW)
+    lock = folder / "LOCK"
+    try:
+        fd = lock.open(os.O_RDWR)
+    except FileNotFoundError:
+        fd = -1
+    if fd >= 0:
         try:
             if not try_flock(fd):
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
                 raise NamespaceInUseError(
-                    f"fs tier: {directory} holds a format-1 cache in use by {holder} (an older "
+                    f"fs tier: {folder.path} holds a format-1 cache in use by {holder} (an older "
                     "kvtier_async); stop it, or give this process another root"
                 )
         finally:
@@ -450,7 +696,7 @@ def _remove_format_1(directory: Path) -> None:
         path.unlink(missing_ok=True)
     log.warning(
         "fs tier: removed a format-1 cache from %s (%d files); it refills as blocks are stored",
-        directory,
+        folder.path,
         len(old),
     )
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -26,6 +25,7 @@ from .layout import (
     ALIGN,
     ENTRY,
     append_to_log,
+    coarse_time_ns,
     encode_entry,
     is_out_of_space,
     latest_per_record,
@@ -112,11 +112,18 @@ class RecordIO:
         return self.files.name
 
     def next_seq(self) -> int:
-        # Wall-clock nanoseconds, strictly increasing here: comparable across processes, so
-        # that a restart orders every process's blocks by age.
+        # The wall clock to about a second (`SEQ_GRAIN_NS`), no finer, so that a log does not
+        # tell when each block was written; strictly increasing, and past every number read in
+        # the logs: a restart orders every process's blocks by age, those of one second too.
         with self._seq_lock:
-            self._seq = max(self._seq + 1, time.time_ns())
+            self._seq = max(self._seq + 1, self.files.seq_seen + 1, coarse_time_ns())
             return self._seq
+
+    def current_seq(self) -> int:
+        """The sequence number of the entry logged last, or where the next one starts: how old
+        a block published now is, comparable with other processes' entries."""
+        with self._seq_lock:
+            return max(self._seq, self.files.seq_seen, coarse_time_ns())
 
     # -- writing ---------------------------------------------------------------------------------
     def checksums(self, offsets: list[int]) -> list[int]:
@@ -256,7 +263,7 @@ class RecordIO:
         """Shrink a slab's log to its live entries (its lock held)."""
         path = self.files.path(slab, "idx")
         try:
-            ours = os.stat(path).st_ino == os.fstat(state.log_fd).st_ino
+            ours = path.stat().st_ino == os.fstat(state.log_fd).st_ino
         except FileNotFoundError:
             ours = False
         if not ours:

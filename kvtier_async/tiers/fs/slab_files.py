@@ -13,7 +13,6 @@ import contextlib
 import logging
 import mmap
 import os
-import shutil
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,13 +22,20 @@ from ...errors import KVTierError
 from .index import Claim, LogNews, OtherSlab, OwnSlab
 from .layout import (
     ENTRY,
-    FILE_MODE,
-    NO_FOLLOW,
+    FORMAT_VERSION,
+    SEQ_GRAIN_NS,
+    At,
+    DirFormat,
+    Entry,
+    Folder,
     allocate,
+    coarse_time_ns,
+    format_text,
     is_out_of_space,
     prepare_directory,
     read_log,
     reserve_log_room,
+    skip_linked_log,
     slab_numbers,
     slab_path,
     try_flock,
@@ -63,15 +69,15 @@ def close_fd(fd: int | None) -> None:
         os.close(fd)
 
 
-def probe_direct_io(directory: Path) -> bool:
+def probe_direct_io(folder: Folder) -> bool:
     """Whether this file system takes O_DIRECT writes and reads of aligned buffers."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    path = directory / f"direct-io-probe.{os.getpid()}.{threading.get_native_id()}.tmp"
+    path = folder / f"direct-io-probe.{os.getpid()}.{threading.get_native_id()}.tmp"
     buffer = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
     path.unlink(missing_ok=True)  # a crashed probe's (a planted link is removed, not followed)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | NO_FOLLOW, FILE_MODE)
+        fd = path.open(os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT)
         try:
             os.pwrite(fd, buffer, 0)
             os.preadv(fd, [buffer], 0)
@@ -100,10 +106,26 @@ class SlabFiles:
         record_bytes: int,
         *,
         fsync: bool,
+        kind: str = "plain",
     ) -> None:
         self.root = root
         self.namespace = namespace
-        self.directory = directory
+        #: What a new directory's FORMAT records of its records: "plain", or "sealed <name>".
+        self.kind = kind
+        #: What the directory's FORMAT says (settled by `open`).
+        self.format = DirFormat(FORMAT_VERSION)
+        self.directory = directory  # its path, for messages: files are reached through `folder`
+        #: The namespace directory, held open from `open` to `close`: every file is reached
+        #: through it, so a directory swapped for a symlink meanwhile is never followed.
+        self.folder: Folder | None = None
+        #: Folders let go of (the directory was removed and made again): other threads may still
+        #: be using them, so they close with the tier.
+        self._retired: list[Folder] = []
+        #: The highest sequence number read in any log: this process numbers its entries past it
+        #: (`RecordIO.next_seq`), so that blocks written after another process's, within the
+        #: clock's grain, still sort after them.
+        self.seq_seen = 0
+        self._seq_lock = threading.Lock()
         self.block_nbytes = block_nbytes
         self.record_bytes = record_bytes
         self.name = "fs"  # the tier's name, in log messages
@@ -122,28 +144,36 @@ class SlabFiles:
             raise RuntimeError("fs tier: file work before the tier opened")
         return self.run_blocking(fn, *args)
 
-    def path(self, slab: int, kind: str) -> Path:
+    @property
+    def dir(self) -> Folder:
+        if self.folder is None:
+            raise RuntimeError("fs tier: file work before the tier opened")
+        return self.folder
+
+    def path(self, slab: int, kind: str) -> At:
         """A slab's data ("kvs") or log ("idx") file."""
-        return slab_path(self.directory, self.block_nbytes, slab, kind)
+        return slab_path(self.dir, self.block_nbytes, slab, kind)
 
     def open(self, direct_io: bool | str, capacity_bytes: int | None) -> None:
         """Make or check the directory, probe O_DIRECT ("auto": where the file system takes
         it), size the namespace: `capacity_bytes` (None: the default, capped at 80% of the room
         the file system has) in slabs of at most `SLAB_TARGET_BYTES`."""
-        prepare_directory(self.root, self.directory, self.namespace)
+        self.folder, self.format = prepare_directory(
+            self.root, self.directory.name, self.namespace, format_text(self.kind)
+        )
         if direct_io == "auto":
-            self.direct_io = probe_direct_io(self.directory)
+            self.direct_io = probe_direct_io(self.folder)
         elif direct_io:
-            if not probe_direct_io(self.directory):
+            if not probe_direct_io(self.folder):
                 raise KVTierError(f"fs tier: O_DIRECT is not supported under {self.directory}")
             self.direct_io = True
         if capacity_bytes is None:
             existing = 0
-            for n in slab_numbers(self.directory, self.block_nbytes):
+            for n in slab_numbers(self.folder, self.block_nbytes):
                 with contextlib.suppress(FileNotFoundError):  # removed meanwhile
-                    existing += os.stat(self.path(n, "kvs")).st_size
-            usage = shutil.disk_usage(self.directory)
-            capacity_bytes = min(DEFAULT_CAPACITY_BYTES, int(0.8 * (usage.free + existing)))
+                    existing += self.path(n, "kvs").stat().st_size
+            free = self.folder.free_bytes()
+            capacity_bytes = min(DEFAULT_CAPACITY_BYTES, int(0.8 * (free + existing)))
         self.capacity_bytes = capacity_bytes
         self.slab_records, self.max_slabs = slab_geometry(self.record_bytes, capacity_bytes)
 
@@ -160,6 +190,22 @@ class SlabFiles:
             if not other.gone:
                 os.close(other.data_fd)
 
+    def close_folder(self) -> None:
+        """Let go of the namespace directory (the tier is closing)."""
+        for folder in [*self._retired, *([self.folder] if self.folder is not None else [])]:
+            folder.close()
+        self._retired.clear()
+        self.folder = None
+
+    def saw(self, entries: list[Entry]) -> None:
+        """Note the sequence numbers of entries read (any worker thread). One from more than a
+        few minutes ahead of the clock is no writer's (the processes share the host's clock):
+        ignored, so a planted entry cannot push this process's numbers to their end."""
+        ahead = coarse_time_ns() + (SEQ_GRAIN_NS << 8)
+        newest = max((e.seq for e in entries if e.seq <= ahead), default=0)
+        with self._seq_lock:
+            self.seq_seen = max(self.seq_seen, newest)
+
     # -- the disk's room -------------------------------------------------------------------------
     @property
     def disk_bytes_per_record(self) -> int:
@@ -171,47 +217,77 @@ class SlabFiles:
         """Whether the file system has room for a whole slab (not a sliver: a still nearly full
         disk is then not claimed from on every refresh)."""
         try:
-            free = shutil.disk_usage(self.directory).free
+            free = self.dir.free_bytes()
         except OSError:
             return False
         return free >= self.slab_records * self.disk_bytes_per_record
 
     # -- following the other processes -----------------------------------------------------------
+    @property
+    def entries_per_log(self) -> int:
+        """Entries of one log read at a time: a writer compacts its log once it passes four
+        entries a record, so a longer one is not a writer's; what follows waits for the next
+        refresh (read from where this one stopped)."""
+        return 8 * self.slab_records
+
+    @property
+    def entries_per_refresh(self) -> int:
+        """Entries read by one refresh, every log together (four a record of the capacity): what
+        an index of this capacity may take in memory, whatever the directory holds."""
+        return 4 * self.max_slabs * self.slab_records
+
     def read_news(
         self, known: dict[int, tuple[int, int]], own: dict[int, OwnSlab]
     ) -> tuple[list[LogNews], list[int], list[int]]:
         """The new entries of every slab another process writes or wrote (`known`: each one's log
         inode and the offset read up to); those of the `known` slabs that are gone; those of our
         slabs whose files were removed."""
-        try:
-            present = set(slab_numbers(self.directory, self.block_nbytes))
-        except FileNotFoundError:
+        if self.dir.removed():
             # The namespace directory was removed (a root cleared by hand): make it again, so
             # that this process, and the others, go on storing and sharing blocks there.
             log.warning("fs tier %r: %s was removed; making it again", self.name, self.directory)
-            prepare_directory(self.root, self.directory, self.namespace)
-            present = set()
+            # Made anew in the format this process found: its sealed records stay bound as they were.
+            new_format = format_text(self.kind, self.format.version)
+            folder, _ = prepare_directory(self.root, self.directory.name, self.namespace, new_format)
+            self._retired.append(self.dir)
+            self.folder = folder
+        present = {n for n in slab_numbers(self.dir, self.block_nbytes) if n < self.max_slabs}
         gone = [slab for slab in known if slab not in present]
         removed = [slab for slab, state in own.items() if os.fstat(state.data_fd).st_nlink == 0]
         news: list[LogNews] = []
+        # Each log is read once, whatever names it has (a hard link under many slab numbers is
+        # planted: never made by a writer); our own logs are not another's.
+        logs_seen = {os.fstat(state.log_fd).st_ino for state in own.values()}
+        budget = self.entries_per_refresh
         try:
             for slab in sorted(present.difference(own)):
                 log_path = self.path(slab, "idx")
+                if budget <= 0:
+                    break  # the rest at the next refresh
                 try:
-                    st = os.stat(log_path)
+                    st = log_path.stat()
                 except FileNotFoundError:
                     continue  # its writer has not made the log yet
+                if skip_linked_log(log_path, logs_seen, st.st_ino):
+                    continue
                 inode, offset = known.get(slab, (0, 0))
                 if st.st_ino == inode and st.st_size == offset:
                     continue
                 reset = slab not in known or st.st_ino != inode or st.st_size < offset
                 try:
-                    entries, end, inode = read_log(log_path, 0 if reset else offset)
+                    entries, end, inode = read_log(
+                        log_path, 0 if reset else offset, min(budget, self.entries_per_log)
+                    )
                     data_fd = None
                     if slab not in known:
-                        data_fd = os.open(self.path(slab, "kvs"), os.O_RDONLY | self.data_flags | NO_FOLLOW)
+                        data_fd = self.path(slab, "kvs").open(os.O_RDONLY | self.data_flags)
                 except FileNotFoundError:
-                    continue  # removed meanwhile (`kvtier fs gc`)
+                    continue  # removed meanwhile (`kvtier fs gc`), or not ours
+                budget -= len(entries)
+                self.saw(entries)
+                # Records past what a slab of this capacity holds are not read: misses, and no
+                # index entries for a planted log to multiply.
+                entries = [e for e in entries if e.record < self.slab_records]
                 news.append(LogNews(slab, reset, entries, inode, end, data_fd))
         except BaseException:
             for item in news:
@@ -224,16 +300,12 @@ class SlabFiles:
     def claim(self, own: set[int], create: bool, adoptable: list[int]) -> Claim | None:
         """Become the writer of a new slab below the namespace's capacity, else of the first of
         `adoptable` whose writer has exited; None if neither is possible."""
-        present = set(slab_numbers(self.directory, self.block_nbytes))
+        present = set(slab_numbers(self.dir, self.block_nbytes))
         for slab in range(self.max_slabs) if create else ():
             if slab in own or slab in present:
                 continue
             try:
-                fd = os.open(
-                    self.path(slab, "kvs"),
-                    os.O_CREAT | os.O_EXCL | os.O_RDWR | self.data_flags | NO_FOLLOW,
-                    FILE_MODE,
-                )
+                fd = self.path(slab, "kvs").open(os.O_CREAT | os.O_EXCL | os.O_RDWR | self.data_flags)
             except FileExistsError:
                 continue
             if try_flock(fd):
@@ -245,11 +317,14 @@ class SlabFiles:
             if slab in own or slab >= self.max_slabs:
                 continue
             try:
-                fd = os.open(self.path(slab, "kvs"), os.O_RDWR | self.data_flags | NO_FOLLOW)
+                fd = self.path(slab, "kvs").open(os.O_RDWR | self.data_flags)
             except FileNotFoundError:
                 continue
             if try_flock(fd) and os.fstat(fd).st_nlink:  # not removed while we opened it
-                return self._adopt(slab, fd)
+                try:
+                    return self._adopt(slab, fd)  # which closes fd if it raises
+                except FileNotFoundError:
+                    continue  # its log is gone, or not a file of ours (skipped, counted)
             os.close(fd)
         return None
 
@@ -258,9 +333,10 @@ class SlabFiles:
         try:
             log_path = self.path(slab, "idx")
             log_path.with_name(log_path.name + ".tmp").unlink(missing_ok=True)  # a compaction cut short
-            log_fd = os.open(log_path, os.O_CREAT | os.O_RDWR | os.O_APPEND | NO_FOLLOW, FILE_MODE)
+            log_fd = log_path.open(os.O_CREAT | os.O_RDWR | os.O_APPEND)
             try:
                 entries, end, _ = read_log(log_path)
+                self.saw(entries)
                 if os.fstat(log_fd).st_size != end:
                     os.ftruncate(log_fd, end)  # a torn last entry would hide every later one
                 size = os.fstat(data_fd).st_size
@@ -300,13 +376,9 @@ class SlabFiles:
             except OSError as exc:
                 if not is_out_of_space(exc):
                     raise
-            room = size + shutil.disk_usage(self.directory).free // self.disk_bytes_per_record * rb
+            room = size + self.dir.free_bytes() // self.disk_bytes_per_record * rb
             target = room if room < target else size + (target - size) // 2 // rb * rb
         return os.fstat(data_fd).st_size // self.record_bytes * self.record_bytes, size < want
 
     def fsync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.dir.fsync()

@@ -37,7 +37,7 @@ from ...workers import wait_uncancellable
 from . import layout
 from .following import Following
 from .index import OtherSlab, OwnSlab, Record, SlabIndex
-from .layout import ENTRY, SEALED_NAMESPACE_LABEL, namespace_dir_name, record_bytes_for
+from .layout import ENTRY, SEALED_NAMESPACE_LABEL, namespace_dir_name, record_bytes_for, seal_namespace_name
 from .records import ReadJob, ReadStatus, RecordIO, WriteJob
 from .room import Room
 from .slab_files import DEFAULT_CAPACITY_BYTES, SlabFiles, close_fd
@@ -140,6 +140,11 @@ class FileSystemTier(SecondaryTierManager):
             self.stored_nbytes,
             self.record_bytes,
             fsync=fsync,
+            # Recorded in a new directory's FORMAT: `kvtier fs verify` learns from it whether
+            # records are sealed and, with the secret, which namespace's keys open them.
+            kind="plain"
+            if tier_secret is None
+            else seal_namespace_name(tier_secret, offloading_spec.namespace),
         )
         self.index = SlabIndex(self.record_bytes)  # touched on the event-loop thread only
         #: With a secret, records move through these slots (sealed there), not the primary's.
@@ -157,6 +162,7 @@ class FileSystemTier(SecondaryTierManager):
         self.records = RecordIO(
             self.files, records_view, self.index.own, self.fault_log, sealed=self.codec.sealed
         )
+        self.index.clock = self.records.current_seq  # blocks' ages, in the logs' numbers
         self.room = Room(self.index, self.files, self.counters, self.fault_log)
         self.following = Following(self.index, self.files, self.room, self.refresh_interval_s)
 
@@ -218,6 +224,7 @@ class FileSystemTier(SecondaryTierManager):
         self.index.own.clear()
         self.index.others.clear()
         await self.run_blocking(SlabFiles.close, own, others)
+        await self.run_blocking(self.files.close_folder)
         await self.run_blocking(self.records.stager.release)
 
     # -- the other processes' blocks ------------------------------------------------------------
@@ -244,16 +251,16 @@ class FileSystemTier(SecondaryTierManager):
         for part in pool.parts(len(keys)):
             part_keys, part_blocks = keys[part], blocks[part]
             async with pool.borrowed(len(part_keys), self.record_bytes) as sealed:
+                names = [sealer.name(key) for key in part_keys]
                 await self.run_cpu(
                     len(part_keys) * self.stored_nbytes,
                     _seal,
                     sealer,
-                    part_keys,
+                    self._bound_to(names, part_keys),
                     part_blocks,
                     sealed,
                     self.stored_nbytes,
                 )
-                names = [sealer.name(key) for key in part_keys]
                 written = await self._write_records(names, sealed)
             self._remember(names, part_keys, written)
             results += written
@@ -270,13 +277,24 @@ class FileSystemTier(SecondaryTierManager):
             async with pool.borrowed(len(part_keys), self.record_bytes) as sealed:
                 names = [sealer.name(key) for key in part_keys]
                 opener = partial(
-                    _open, sealer, part_keys, part_blocks, sealed, stored_nbytes=self.stored_nbytes
+                    _open,
+                    sealer,
+                    self._bound_to(names, part_keys),
+                    part_blocks,
+                    sealed,
+                    stored_nbytes=self.stored_nbytes,
                 )
                 found, opened = await self._read_records(names, sealed, opener)
             self.counters["unauthenticated_blocks"] += sum(f and not o for f, o in zip(found, opened))
             self._remember(names, part_keys, opened)
             results += opened
         return results
+
+    def _bound_to(self, names: Sequence[bytes], keys: Sequence[bytes]) -> Sequence[bytes]:
+        """What sealed records are bound to: their names (format 3, so that `kvtier fs verify`
+        opens them with the secret alone; a name is a keyed hash of its key), or in a directory
+        of format 2, as they were written then, their keys."""
+        return names if self.files.format.records_bound_to_names else keys
 
     def _slots(self) -> SlotPool:
         if self.sealed_slots is None:
