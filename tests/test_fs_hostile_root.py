@@ -409,3 +409,69 @@ async def test_an_entry_numbered_far_ahead_does_not_stop_the_writers(tmp_path: P
         assert await h.store_keys(again, primary, keys) == [True] * 4
         assert await h.load_and_check(again, primary, keys) == [True] * 4
         assert again.stats()["write_errors"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_slab_with_an_overlong_log_is_adopted_without_reading_it_whole(tmp_path: Path) -> None:
+    # The attack: a slab within the capacity, with no writer, whose log (one name) holds 32 MiB
+    # of valid entries: the process that takes the slab over would read it all into memory.
+    import tracemalloc
+
+    from kvtier_async.tiers.fs.layout import encode_entry
+
+    root = str(tmp_path / "root")
+    capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # 16 slabs of 4 records
+    tier, primary = h.make_tier(root, capacity_bytes=capacity)
+    async with tier:  # makes the directory; its own slab is then taken by the planted ones
+        await tier.open()
+
+    def plant() -> None:
+        stem = tier.directory / f"slab-{tier.files.block_nbytes}-"
+        for slab in range(16):  # every number the capacity allows: only adoption is left
+            (tier.directory / f"{stem.name}{slab:06d}.kvs").write_bytes(b"")
+        long_log = b"".join(
+            encode_entry(1 + n, n % 4, n.to_bytes(32, "little"), n) for n in range((32 << 20) // ENTRY)
+        )
+        (tier.directory / f"{stem.name}000000.idx").write_bytes(long_log)
+
+    await asyncio.to_thread(plant)
+    again, primary = h.make_tier(root, capacity_bytes=capacity)
+    async with again:
+        tracemalloc.start()
+        try:
+            assert await h.store_keys(again, primary, [h.key_for(0)]) == [True]  # adopts a slab
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert await h.load_and_check(again, primary, [h.key_for(0)]) == [True]
+    assert peak < 16 << 20
+
+
+@pytest.mark.asyncio
+async def test_a_slab_whose_log_has_a_second_name_is_not_taken_over(tmp_path: Path) -> None:
+    # The attack: a slab's log hard-linked to a file elsewhere in the directory, so that the
+    # process taking the slab over would write (and truncate) that other file.
+    from kvtier_async.tiers.fs.layout import encode_entry
+
+    root = str(tmp_path / "root")
+    capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # 16 slabs of 4 records
+    tier, primary = h.make_tier(root, capacity_bytes=capacity)
+    async with tier:
+        await tier.open()
+    victim = tier.directory / "victim"
+    stem = f"slab-{tier.files.block_nbytes}-"
+
+    def plant() -> None:
+        for slab in range(16):  # every number the capacity allows: only adoption is left
+            (tier.directory / f"{stem}{slab:06d}.kvs").write_bytes(b"")
+        victim.write_bytes(encode_entry(1, 0, b"v" * 32, 7))
+        os.link(victim, tier.directory / f"{stem}000000.idx")
+
+    await asyncio.to_thread(plant)
+    before = await asyncio.to_thread(victim.read_bytes)
+    skipped = kvtier_async.tiers.fs.layout.foreign_files_skipped()
+    again, primary = h.make_tier(root, capacity_bytes=capacity)
+    async with again:
+        assert await h.store_keys(again, primary, [h.key_for(0)]) == [False]  # no slab to take
+        assert again.stats()["foreign_files_skipped"] == skipped + 1
+    assert await asyncio.to_thread(victim.read_bytes) == before

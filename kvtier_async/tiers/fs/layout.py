@@ -571,6 +571,13 @@ def open_private_file(path: At, flags: int = os.O_RDONLY, mode: int = FILE_MODE)
     return fd
 
 
+def refuse_second_name(fd: int, path: At) -> None:
+    """`ForeignFile` if the file open at `fd` has another name too (a hard link: our files never
+    do), for a writer about to change it."""
+    if os.fstat(fd).st_nlink > 1:
+        raise _skip_foreign(path, "a file with a second name (a hard link)")
+
+
 def read_small(path: At, limit: int = 4096) -> str | None:
     """A small text file of the directory (None: absent), read within `limit` bytes."""
     try:

@@ -34,6 +34,7 @@ from .layout import (
     is_out_of_space,
     prepare_directory,
     read_log,
+    refuse_second_name,
     reserve_log_room,
     skip_linked_log,
     slab_numbers,
@@ -311,7 +312,10 @@ class SlabFiles:
             if try_flock(fd):
                 if self.fsync:
                     self.fsync_directory()
-                return self._adopt(slab, fd)
+                try:
+                    return self._adopt(slab, fd)  # which closes fd if it raises
+                except FileNotFoundError:
+                    continue  # a log of that number planted before it (skipped, counted)
             os.close(fd)  # another process took it as it was made
         for slab in adoptable:
             if slab in own or slab >= self.max_slabs:
@@ -335,7 +339,15 @@ class SlabFiles:
             log_path.with_name(log_path.name + ".tmp").unlink(missing_ok=True)  # a compaction cut short
             log_fd = log_path.open(os.O_CREAT | os.O_RDWR | os.O_APPEND)
             try:
-                entries, end, _ = read_log(log_path)
+                refuse_second_name(log_fd, log_path)  # its writer would write another slab's log
+                entries, end, _ = read_log(log_path, 0, self.entries_per_log + 1)
+                if len(entries) > self.entries_per_log:
+                    # Longer than a writer of this capacity makes (planted, or written under a
+                    # larger capacity): its blocks are forgotten, never read whole into memory.
+                    log.warning(
+                        "fs tier %r: the log of slab %d is too long; starting it afresh", self.name, slab
+                    )
+                    entries, end = [], 0
                 self.saw(entries)
                 if os.fstat(log_fd).st_size != end:
                     os.ftruncate(log_fd, end)  # a torn last entry would hide every later one
