@@ -181,7 +181,7 @@ def copy_slab(directory: Path, to: int) -> tuple[Path, Path]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("plant", ["symlink", "fifo", "writable by others"])
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "writable by others", "another user's"])
 async def test_a_planted_slab_data_file_is_skipped_counted_and_the_tier_opens(
     tmp_path: Path, plant: str
 ) -> None:
@@ -198,8 +198,12 @@ async def test_a_planted_slab_data_file_is_skipped_counted_and_the_tier_opens(
     elif plant == "fifo":
         await asyncio.to_thread(os.mkfifo, data, 0o600)
     else:
+        if plant == "another user's" and os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
         await asyncio.to_thread(shutil.copyfile, real, data)
         await asyncio.to_thread(os.chmod, data, 0o666)
+        if plant == "another user's":
+            await asyncio.to_thread(os.chown, data, 65534, 65534)
     skipped = kvtier_async.tiers.fs.layout.foreign_files_skipped()
     again, primary = h.make_tier(root)  # a restart reads every slab's log and opens its data
     async with again:
