@@ -29,6 +29,13 @@ for a dynamic backend) it hands over flat page tensors (`batch_set` /
 a page stored by either path is found by `batch_exists` and loaded by either.
 Flat pages are copied through page slots, reordered into runs (`flat_order`).
 
+Hybrid models (SGLang's v2 interface). A hybrid model's other host pools (Mamba state, SWA
+windows, DSA indexers, draft pools) arrive through `register_mem_host_pool_v2`, at start-up
+or later; each is stored as blocks of its own geometry in a namespace of its own
+(`sglang_pools`). KV pages still move through the v1 or generic path; `batch_set_v2` /
+`batch_get_v2` move the extra pools, and `batch_exists_v2` answers for KV and the extra pools
+together, per hit policy, as SGLang's `HiCacheFile` does (`sglang_hits`).
+
 Keys. SGLang's page keys are content hashes that name neither the model, the
 KV dtype, the layout nor the rank. The backend's kvtier namespace carries them:
 the model name (and the weights behind it) and a digest of the pool's geometry
@@ -50,12 +57,10 @@ This module imports SGLang; `import kvtier_async` does not.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +68,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from ..errors import ClosedError, ConfigError, InvalidArgumentError
@@ -71,8 +79,9 @@ from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread, engine_config
 from .known_keys import KnownKeys
-from .model_identity import weights_identity
-from .sglang_pages import BlockLayout, PageRuns, PageSlots, flat_order
+from .sglang_hits import hit_answer
+from .sglang_pages import BlockLayout, PageRuns, PageSlots, StagedPages, flat_order
+from .sglang_pools import ExtraPools, pool_namespace
 
 __all__ = ["KNOWN_PAGES", "KVTierHiCacheStorage"]
 
@@ -100,8 +109,16 @@ def _page_key(key: str) -> bytes:
     return b"\x01" + raw  # tagged, so no other key reads as a digest
 
 
+def _pool_name(name: Any) -> PoolName:
+    """SGLang's pool name (a `PoolName`, or its value); raises `InvalidArgumentError`."""
+    try:
+        return PoolName(name)
+    except ValueError:
+        raise InvalidArgumentError(f"unknown SGLang host pool name {name!r}") from None
+
+
 def _namespace(config: HiCacheStorageConfig, pool: Any, runs: PageRuns, layout: BlockLayout) -> str:
-    """The kvtier namespace: model name plus a digest of everything that decides a page's bytes
+    """The KV pages' kvtier namespace (`pool_namespace`): everything that decides a page's bytes
     and how they are stored."""
     fields: dict[str, Any] = {
         # Both SGLang paths store into this one namespace. "v1" is kept from when only that path
@@ -115,21 +132,12 @@ def _namespace(config: HiCacheStorageConfig, pool: Any, runs: PageRuns, layout: 
         "layers": int(getattr(pool, "layer_num", 0)),
         "runs": runs.runs,
         "run_nbytes": runs.run_nbytes,
-        "pp": [config.pp_rank, config.pp_size],
-        "cp": [config.attn_cp_rank, config.attn_cp_size],
-        "dcp": [config.dcp_rank, config.dcp_size],
         "format": getattr(pool, "storage_format_tag", None),
     }
     if layout.packed:  # a page as one padded block: never mistaken for a run
         fields["packed_block_nbytes"] = layout.block_nbytes
-    if not config.is_mla_model:  # MLA KV is the same on every TP rank: one shared copy
-        fields["tp"] = [config.tp_rank, config.tp_size, config.dp_rank]
-    weights = weights_identity(config.model_name or "")
-    if weights is not None:  # other weights under the same name: another namespace
-        fields["weights"] = weights
-    digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=12).hexdigest()
-    model = (config.model_name or "unnamed-model")[:160]
-    return f"sglang:{model}:{digest}"
+    # MLA KV is the same on every TP rank: one shared copy.
+    return pool_namespace(config, fields, per_rank=not config.is_mla_model)
 
 
 class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has no type information
@@ -152,8 +160,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         #: The tier `batch_exists`, `clear` and `tier_stats` ask: the one the controller's path uses.
         self._main: KVTier | None = None
         self._in_place: KVTier | None = None  # over the host pool (runs moved in place)
-        self._staged: _StagedPages | None = None  # over page slots (copied pages)
+        self._staged: StagedPages | None = None  # over page slots (copied pages)
         self._flat_order: torch.Tensor | None = None
+        self._pools: ExtraPools | None = None  # a hybrid model's other host pools (v2 interface)
         self._metrics: dict[str, list[float]] = {
             "prefetch_pgs": [],
             "backup_pgs": [],
@@ -191,6 +200,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             raise
         with self._lock:
             self._main = main
+            self._pools = ExtraPools(
+                self.storage_config, bridge, self._open_extra, self._extra_spec, PAGE_SLOT_BYTES
+            )
         log.info(
             "kvtier SGLang backend: %s tier, namespace %s, %s path, %d runs of %d bytes per page, %s",
             self.tier_config["type"],
@@ -224,15 +236,30 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             **self.limits,
         )
 
-    async def _open(self, spec: OffloadingSpec, view: memoryview) -> KVTier:
+    def _extra_spec(self, block_nbytes: int, blocks: int, page_size: int, namespace: str) -> OffloadingSpec:
+        return OffloadingSpec(
+            block_nbytes=block_nbytes,
+            num_cpu_blocks=blocks,
+            block_size=page_size,
+            secondary_tiers=[self.tier_config],
+            namespace=namespace,
+            **self.limits,
+        )
+
+    async def _open(self, spec: OffloadingSpec, view: memoryview, *, kv: bool = True) -> KVTier:
         tier = SecondaryTierFactory.create_secondary_tier(self.tier_config, view, spec)
         try:
             await tier.open()
         except BaseException:
             await tier.aclose()
             raise
-        tier.removal_listeners.append(self._on_removed)
+        if kv:  # what the KV pages' tier lets go of is forgotten by `batch_exists`
+            tier.removal_listeners.append(self._on_removed)
         return tier
+
+    def _open_extra(self, spec: OffloadingSpec, view: memoryview) -> KVTier:
+        bridge, _, _ = self._ready()
+        return bridge.call(self._open(spec, view, kv=False))
 
     def _in_place_tier(self) -> KVTier:
         """The tier over the host pool itself (in-place layout), opened on first use."""
@@ -245,7 +272,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                     self._in_place = tier
             return self._in_place
 
-    def _staged_pages(self) -> _StagedPages:
+    def _staged_pages(self) -> StagedPages:
         """The tier over page slots, opened on first use."""
         bridge, runs, layout = self._ready()
         with self._opening:
@@ -254,7 +281,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                 spec = self._spec(layout.block_nbytes, slots.slots * layout.blocks_per_page)
                 tier = bridge.call(self._open(spec, slots.view))
                 with self._lock:
-                    self._staged = _StagedPages(tier, slots, bridge)
+                    self._staged = StagedPages(tier, slots, bridge)
             return self._staged
 
     def _ready(self) -> tuple[LoopThread, PageRuns, BlockLayout]:
@@ -343,6 +370,83 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
+
+    # -- the v2 interface: a hybrid model's other host pools -------------------------------------------
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang hands over one more host pool (Mamba state, SWA, indexer, draft: at start-up, or
+        later for draft pools): open its tier now, so a pool that cannot be served fails start-up."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        with self._lock:
+            kv_pool = self._runs.pool if self._runs is not None else None
+        if name == PoolName.KV:
+            if host_pool is not kv_pool:
+                raise ConfigError(
+                    "kvtier SGLang backend: the v2 KV pool is not the host pool SGLang registered first"
+                )
+            return  # its pages are the KV pages: the v1 / generic path's
+        pools = self._extra_pools()
+        with self._opening:
+            namespace = pools.register(name, host_pool)
+        if namespace is not None:
+            log.info(
+                "kvtier SGLang backend: host pool %s (%s), namespace %s",
+                name,
+                type(host_pool).__name__,
+                namespace,
+            )
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The usable prefix, KV and extra pools together, as SGLang's `HiCacheFile` answers it:
+        the KV pages' leading run, cut where an `ALL_PAGES` pool has a gap and to the prefix
+        lengths whose trailing pages a `TRAILING_PAGES` pool holds (`restorable_prefix_pages`).
+        A `BLOCK_GROUPS` pool reports the pages its leading whole groups cover and gates nothing."""
+        kv_pages = self.batch_exists(keys, extra_info) if keys else 0
+        pages = [_page_key(key) for key in keys[:kv_pages]]
+        pools = self._extra_pools()
+        return hit_answer(kv_pages, pool_transfers or [], lambda name: pools.present(_pool_name(name), pages))
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's pages from its pool's host slots; per pool, True per page stored."""
+        return self._batch_v2(transfers, extra_info, store=True)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Load each transfer's pages into its pool's host slots; per pool, True per page loaded
+        whole (an absent page fails that entry only)."""
+        return self._batch_v2(transfers, extra_info, store=False)
+
+    def _batch_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None, *, store: bool
+    ) -> dict[str, list[bool]]:
+        pools = self._extra_pools()
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            name = _pool_name(transfer.name)
+            keys = list(transfer.keys or [])
+            if name == PoolName.KV:  # the KV pages themselves, named by KV host slots
+                move = self.batch_set_v1 if store else self.batch_get_v1
+                results[transfer.name] = move(keys, transfer.host_indices, extra_info) if keys else []
+                continue
+            pages = [_page_key(key) for key in keys]
+            move_pool = pools.store if store else pools.load
+            results[transfer.name] = move_pool(name, pages, transfer.host_indices)
+        return results
+
+    def _extra_pools(self) -> ExtraPools:
+        self._ready()
+        with self._lock:
+            if self._pools is None:
+                raise ConfigError("kvtier SGLang backend: called before SGLang registered its host pool")
+            return self._pools
 
     # -- the generic path: flat page tensors ----------------------------------------------------------
     def batch_set(
@@ -496,6 +600,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             tiers = [
                 t for t in (self._staged.tier if self._staged else None, self._in_place) if t is not None
             ]
+            tiers += self._pools.tiers() if self._pools is not None else []
         if bridge is not None:
             bridge.finish(_close_tiers(tiers))
 
@@ -507,37 +612,3 @@ async def _close_tiers(tiers: list[KVTier]) -> None:
 
 async def _stats(tier: KVTier) -> dict[str, Any]:
     return tier.stats()
-
-
-class _StagedPages:
-    """Pages copied through page slots: a tier whose primary memory is the slots. The copies run on
-    the calling (SGLang) thread; each batch leases its slots, so SGLang's threads move at once."""
-
-    def __init__(self, tier: KVTier, slots: PageSlots, bridge: LoopThread) -> None:
-        self.tier, self.slots, self.bridge = tier, slots, bridge
-
-    def store(self, pages: list[bytes], fill: Callable[[int, torch.Tensor], None]) -> list[bool]:
-        """Store `pages`, `fill(i, slot page)` putting page i's runs into its slot first."""
-        layout, stored = self.slots.layout, []
-        for start in range(0, len(pages), self.slots.chunk):
-            part = pages[start : start + self.slots.chunk]
-            with self.slots.lease(len(part)) as leased:
-                for i, slot in enumerate(leased):
-                    fill(start + i, self.slots.page(slot))
-                results = self.bridge.call(self.tier.store(layout.keys(part), self.slots.block_ids(leased)))
-            stored += layout.per_page(results)
-        return stored
-
-    def load(self, pages: list[bytes], drain: Callable[[int, torch.Tensor], None]) -> list[bool]:
-        """Load `pages`, `drain(i, slot page)` taking page i's runs from its slot where it arrived."""
-        layout, loaded = self.slots.layout, []
-        for start in range(0, len(pages), self.slots.chunk):
-            part = pages[start : start + self.slots.chunk]
-            with self.slots.lease(len(part)) as leased:
-                results = self.bridge.call(self.tier.load(layout.keys(part), self.slots.block_ids(leased)))
-                arrived = layout.per_page(results)
-                for i, (slot, ok) in enumerate(zip(leased, arrived)):
-                    if ok:
-                        drain(start + i, self.slots.page(slot))
-            loaded += arrived
-        return loaded

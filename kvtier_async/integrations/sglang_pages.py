@@ -25,22 +25,34 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..errors import ConfigError, InvalidArgumentError
 from ..primary import reserve_host_memory
 
-__all__ = ["ALIGNMENT", "BlockLayout", "PageRuns", "PageSlots", "flat_order"]
+if TYPE_CHECKING:
+    from ..tier import SecondaryTierManager as KVTier
+    from .bridge import LoopThread
+
+__all__ = ["ALIGNMENT", "BlockLayout", "PageRuns", "PageShape", "PageSlots", "StagedPages", "flat_order"]
 
 ALIGNMENT = 4096
 #: Page slots at most, however small the pages: a batch of SGLang's is far fewer.
 MAX_SLOTS = 1024
 RUN_NUMBER_BYTES = 2  # a block's key: the page key, then the run's number (big-endian)
+
+
+class PageShape(Protocol):
+    """A page as page slots hold it: `runs` runs of `run_nbytes`, `page_nbytes` in all."""
+
+    runs: int
+    run_nbytes: int
+    page_nbytes: int
 
 
 class PageRuns:
@@ -126,7 +138,12 @@ class BlockLayout:
     def of(cls, runs: PageRuns) -> BlockLayout:
         if runs.in_place:
             return cls(runs.runs, runs.run_nbytes, packed=False)
-        return cls(1, -(-runs.page_nbytes // ALIGNMENT) * ALIGNMENT, packed=True)
+        return cls.packed_page(runs.page_nbytes)
+
+    @classmethod
+    def packed_page(cls, page_nbytes: int) -> BlockLayout:
+        """A page of `page_nbytes` as one block, zero-padded to a multiple of 4096 bytes."""
+        return cls(1, -(-page_nbytes // ALIGNMENT) * ALIGNMENT, packed=True)
 
     def keys(self, pages: Sequence[bytes]) -> list[bytes]:
         """The block keys of `pages`, page by page."""
@@ -199,7 +216,7 @@ class PageSlots:
     """Page slots in memory of our own, each one page's runs in order (then zero padding), leased
     to one batch at a time: the primary memory of a tier that pages are copied in and out of."""
 
-    def __init__(self, runs: PageRuns, layout: BlockLayout, budget_bytes: int) -> None:
+    def __init__(self, runs: PageShape, layout: BlockLayout, budget_bytes: int) -> None:
         self.runs, self.run_nbytes, self.page_nbytes = runs.runs, runs.run_nbytes, runs.page_nbytes
         self.layout = layout
         self.stride = layout.blocks_per_page * layout.block_nbytes
@@ -235,3 +252,37 @@ class PageSlots:
             with self._changed:
                 self._free += leased
                 self._changed.notify_all()
+
+
+class StagedPages:
+    """Pages copied through page slots: a tier whose primary memory is the slots. The copies run on
+    the calling (SGLang) thread; each batch leases its slots, so SGLang's threads move at once."""
+
+    def __init__(self, tier: KVTier, slots: PageSlots, bridge: LoopThread) -> None:
+        self.tier, self.slots, self.bridge = tier, slots, bridge
+
+    def store(self, pages: list[bytes], fill: Callable[[int, torch.Tensor], None]) -> list[bool]:
+        """Store `pages`, `fill(i, slot page)` putting page i's runs into its slot first."""
+        layout, stored = self.slots.layout, []
+        for start in range(0, len(pages), self.slots.chunk):
+            part = pages[start : start + self.slots.chunk]
+            with self.slots.lease(len(part)) as leased:
+                for i, slot in enumerate(leased):
+                    fill(start + i, self.slots.page(slot))
+                results = self.bridge.call(self.tier.store(layout.keys(part), self.slots.block_ids(leased)))
+            stored += layout.per_page(results)
+        return stored
+
+    def load(self, pages: list[bytes], drain: Callable[[int, torch.Tensor], None]) -> list[bool]:
+        """Load `pages`, `drain(i, slot page)` taking page i's runs from its slot where it arrived."""
+        layout, loaded = self.slots.layout, []
+        for start in range(0, len(pages), self.slots.chunk):
+            part = pages[start : start + self.slots.chunk]
+            with self.slots.lease(len(part)) as leased:
+                results = self.bridge.call(self.tier.load(layout.keys(part), self.slots.block_ids(leased)))
+                arrived = layout.per_page(results)
+                for i, (slot, ok) in enumerate(zip(leased, arrived)):
+                    if ok:
+                        drain(start + i, self.slots.page(slot))
+            loaded += arrived
+        return loaded

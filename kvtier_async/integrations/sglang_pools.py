@@ -1,0 +1,265 @@
+"""SGLang's extra host pools (hybrid models) as kvtier blocks: `ExtraPools`, `pool_namespace`.
+
+A hybrid model's HiCache keeps, next to its KV pages, pages of other host pools that SGLang
+registers through `register_mem_host_pool_v2`: Mamba / linear-attention state (one state slot
+a page), sliding-window KV (SWA), DSA / QSA indexer keys, draft-model pools. Each has its own
+geometry: its own page size in tokens, bytes per page, dtype and layout.
+
+One storage design for every pool, the one packed KV pages use (`sglang_pages`): a pool's page
+is one block of its own size (its bytes in the pool's flat-page order, zero-padded to 4096),
+copied through page slots of that pool, in a namespace of its own (`pool_namespace`: model,
+pool name, pool class, dtypes, layout, page geometry, and the ranks whose pages differ). So a
+model's KV and its state are never confused, nor two models' pools, nor two ranks' state.
+
+A page's bytes are whatever the pool's own `get_data_page(index, flat=True)` gives and its
+`set_from_flat_data_page` takes back: the pages SGLang's `HiCacheFile` stores, for every layout
+the pool serves. A pool whose layout has no flat pages fails at registration with a
+`ConfigError` naming the pool and its layout. The page slots' copy is one memcpy of a page;
+moving state pages in place (the pool as the tier's primary memory) is not done: a Mamba pool
+is several buffers of different strides, and its zero-copy description refuses the side states
+a pool may carry.
+
+Ranks. SGLang keeps Mamba state per tensor-parallel rank even where the model's MLA KV is one
+copy shared by all ranks (HiCacheFile's file names say the same): the Mamba pool's namespace
+always carries the TP rank; every other pool follows the KV pages (per rank, except MLA).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+
+from ..errors import ConfigError, InvalidArgumentError
+from ..spec import OffloadingSpec
+from ..tier import SecondaryTierManager as KVTier
+from .bridge import LoopThread
+from .model_identity import weights_identity
+from .sglang_pages import BlockLayout, PageSlots, StagedPages
+
+__all__ = ["ExtraPools", "pool_namespace"]
+
+log = logging.getLogger(__name__)
+
+#: Pools whose pages differ per tensor-parallel rank even for an MLA model (SGLang's own rule).
+PER_RANK_POOLS = frozenset({PoolName.MAMBA})
+#: Attributes of a host pool that decide its pages' bytes, where the pool has them.
+GEOMETRY_ATTRIBUTES = (
+    "dtype",
+    "temporal_dtype",
+    "conv_dtype",
+    "indexer_dtype",
+    "page_size",
+    "layer_num",
+    "num_mamba_layers",
+    "head_num",
+    "head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "temporal_state_shape",
+    "conv_state_shapes",
+    "size_per_token",
+)
+
+
+def pool_namespace(config: HiCacheStorageConfig, fields: dict[str, Any], *, per_rank: bool) -> str:
+    """A kvtier namespace: the model's name, then a digest of `fields` (everything that decides a
+    page's bytes and how they are stored), the parallel ranks that see other bytes, and the
+    weights behind the model's name."""
+    fields = {
+        **fields,
+        "pp": [config.pp_rank, config.pp_size],
+        "cp": [config.attn_cp_rank, config.attn_cp_size],
+        "dcp": [config.dcp_rank, config.dcp_size],
+    }
+    if per_rank:
+        fields["tp"] = [config.tp_rank, config.tp_size, config.dp_rank]
+    weights = weights_identity(config.model_name or "")
+    if weights is not None:  # other weights under the same name: another namespace
+        fields["weights"] = weights
+    digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=12).hexdigest()
+    model = (config.model_name or "unnamed-model")[:160]
+    return f"sglang:{model}:{digest}"
+
+
+class FlatPages:
+    """One pool's pages as SGLang's flat pages: `page_nbytes` bytes, viewed as `dtype` when
+    handed back to the pool (one run: the page slots' `PageShape`)."""
+
+    def __init__(self, page_nbytes: int, dtype: torch.dtype, page_size: int) -> None:
+        self.page_nbytes, self.dtype, self.page_size = page_nbytes, dtype, page_size
+        self.runs, self.run_nbytes = 1, page_nbytes
+
+    @classmethod
+    def of(cls, name: str, pool: Any) -> FlatPages:
+        """Read from the pool itself: its dummy page and its first page must agree in size."""
+        layout = getattr(pool, "layout", "?")
+        try:
+            dummy = pool.get_dummy_flat_data_page()
+            first = pool.get_data_page(0, flat=True)
+        except (NotImplementedError, ValueError, AssertionError, AttributeError, TypeError) as exc:
+            raise ConfigError(
+                f"kvtier SGLang backend: host pool '{name}' ({type(pool).__name__}, layout {layout!r}) "
+                f"has no flat pages ({exc}); use a layout the pool serves flat pages in "
+                "(layer_first, page_first or page_first_direct)"
+            ) from exc
+        sizes = {t.numel() * t.element_size() if isinstance(t, torch.Tensor) else -1 for t in (dummy, first)}
+        if len(sizes) != 1 or -1 in sizes or 0 in sizes or dummy.device.type != "cpu":
+            raise ConfigError(
+                f"kvtier SGLang backend: host pool '{name}' ({type(pool).__name__}, layout {layout!r}) "
+                f"describes its pages inconsistently (flat page sizes {sorted(sizes)}); not supported"
+            )
+        return cls(
+            page_nbytes=sizes.pop(), dtype=dummy.dtype, page_size=int(getattr(pool, "page_size", 1) or 1)
+        )
+
+    def geometry(self, name: str, pool: Any) -> dict[str, Any]:
+        """The namespace fields of this pool: what decides its pages' bytes."""
+        fields: dict[str, Any] = {
+            "pool_name": str(name),
+            "pool": type(pool).__name__,
+            "layout": str(getattr(pool, "layout", None)),
+            "page_nbytes": self.page_nbytes,
+            "flat_dtype": str(self.dtype),
+            "format": getattr(pool, "storage_format_tag", None),
+        }
+        for attribute in GEOMETRY_ATTRIBUTES:
+            value = getattr(pool, attribute, None)
+            if value is not None:
+                fields[attribute] = repr(value) if not isinstance(value, (int, str)) else value
+        return fields
+
+
+class _Pool:
+    """One registered extra pool: its host pool, its flat pages, and its tier over page slots."""
+
+    def __init__(self, name: str, pool: Any, pages: FlatPages, staged: StagedPages, shared: bool) -> None:
+        self.name, self.pool, self.pages, self.staged = name, pool, pages, staged
+        #: One copy for all TP ranks (MLA's non-Mamba pools): only SGLang's writer rank stores it.
+        self.shared = shared
+        self.layout = staged.slots.layout
+
+    def slots_of(self, keys: int, host_indices: Any) -> list[int] | None:
+        """Each page's first host slot, as SGLang's `HiCacheFile` takes them; None where the
+        indices do not cover `keys` pages (SGLang then expects every entry to fail)."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            return None
+        if host_indices.numel() != keys * self.pages.page_size:
+            return None
+        return [int(i) for i in host_indices[:: self.pages.page_size].tolist()]
+
+
+class ExtraPools:
+    """The extra host pools of one SGLang backend, each its own tier (namespace) over page slots.
+
+    `open_tier(spec, view)` opens a tier (on the backend's loop); `writer` says whether this
+    rank stores pools shared by all TP ranks."""
+
+    def __init__(
+        self,
+        config: HiCacheStorageConfig,
+        bridge: LoopThread,
+        open_tier: Callable[[OffloadingSpec, memoryview], KVTier],
+        spec_of: Callable[[int, int, int, str], OffloadingSpec],
+        slot_bytes: int,
+    ) -> None:
+        self.config, self.bridge = config, bridge
+        self._open_tier, self._spec_of, self._slot_bytes = open_tier, spec_of, slot_bytes
+        self._pools: dict[str, _Pool] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, pool: Any) -> str | None:
+        """Open the tier of pool `name` (again with the same pool: nothing); its namespace, or None
+        if it was registered already. Raises `ConfigError` for a pool that cannot be served."""
+        with self._lock:
+            known = self._pools.get(name)
+        if known is not None:
+            if known.pool is pool:
+                return None
+            raise ConfigError(f"kvtier SGLang backend: host pool '{name}' registered twice, with two pools")
+        pages = FlatPages.of(name, pool)
+        per_rank = name in PER_RANK_POOLS or not self.config.is_mla_model
+        namespace = pool_namespace(self.config, pages.geometry(name, pool), per_rank=per_rank)
+        layout = BlockLayout.packed_page(pages.page_nbytes)
+        slots = PageSlots(pages, layout, self._slot_bytes)
+        spec = self._spec_of(layout.block_nbytes, slots.slots, pages.page_size, namespace)
+        tier = self._open_tier(spec, slots.view)
+        entry = _Pool(name, pool, pages, StagedPages(tier, slots, self.bridge), shared=not per_rank)
+        with self._lock:
+            if name in self._pools:  # registered meanwhile by another thread
+                racer = self._pools[name]
+            else:
+                self._pools[name], racer = entry, entry
+        if racer is not entry:
+            self.bridge.call(tier.aclose())
+            if racer.pool is not pool:
+                raise ConfigError(
+                    f"kvtier SGLang backend: host pool '{name}' registered twice, with two pools"
+                )
+            return None
+        return namespace
+
+    def tiers(self) -> list[KVTier]:
+        with self._lock:
+            return [entry.staged.tier for entry in self._pools.values()]
+
+    def _entry(self, name: str) -> _Pool | None:
+        with self._lock:
+            return self._pools.get(name)
+
+    def present(self, name: str, pages: Sequence[bytes]) -> list[bool]:
+        """Per page, whether pool `name` holds it whole (a pool never registered holds nothing)."""
+        entry = self._entry(name)
+        if entry is None or not pages:
+            return [False] * len(pages)
+        found = self.bridge.call(entry.staged.tier.lookup_each(entry.layout.keys(pages), stop_at_miss=False))
+        return entry.layout.per_page(found)
+
+    def store(self, name: str, pages: list[bytes], host_indices: Any) -> list[bool]:
+        """Store pool `name`'s pages from their host slots; True per page stored."""
+        entry = self._require(name)
+        if not pages:
+            return []
+        starts = entry.slots_of(len(pages), host_indices)
+        if starts is None:
+            log.error("kvtier SGLang backend: %s: host indices do not cover %d pages", name, len(pages))
+            return [False] * len(pages)
+        if entry.shared and not self.config.is_storage_writer:
+            return [True] * len(pages)  # an MLA replica: the writer rank stores the shared copy
+        pool = entry.pool
+
+        def fill(i: int, page: torch.Tensor) -> None:
+            flat = pool.get_data_page(starts[i], flat=True)
+            page.view(-1).copy_(flat.contiguous().view(torch.uint8).reshape(-1))
+
+        return entry.staged.store(pages, fill)
+
+    def load(self, name: str, pages: list[bytes], host_indices: Any) -> list[bool]:
+        """Load pool `name`'s pages into their host slots; True per page that arrived whole."""
+        entry = self._require(name)
+        if not pages:
+            return []
+        starts = entry.slots_of(len(pages), host_indices)
+        if starts is None:
+            log.error("kvtier SGLang backend: %s: host indices do not cover %d pages", name, len(pages))
+            return [False] * len(pages)
+        pool, dtype = entry.pool, entry.pages.dtype
+
+        def drain(i: int, page: torch.Tensor) -> None:
+            pool.set_from_flat_data_page(starts[i], page.view(-1).view(dtype))
+
+        return entry.staged.load(pages, drain)
+
+    def _require(self, name: str) -> _Pool:
+        entry = self._entry(name)
+        if entry is None:
+            raise InvalidArgumentError(
+                f"kvtier SGLang backend: no host pool '{name}' registered (register_mem_host_pool_v2)"
+            )
+        return entry

@@ -1,0 +1,508 @@
+"""Hybrid models through `KVTierHiCacheStorage`'s v2 interface, side by side with SGLang's `HiCacheFile`.
+
+Four pool sets SGLang 0.5.23 assembles, from its own host pool classes built on the CPU: Mamba
+state + DSA indexer over MLA KV; SWA windows + draft pools registered late; DeepSeek V3.2's
+MLA + DSA indexer in every layout; MLA + Mamba at TP 2. Each is driven through SGLang's own
+`HybridCacheController` storage methods (`sglang_hybrid_env.Controller`): backups, hit queries
+and prefetches, against our backend and `HiCacheFile` on the same calls. The hit answers
+must be HiCacheFile's, and each is also pinned to its value here, so agreement is never vacuous.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVTIER_REQUIRE_SERVERS") != "1":  # CI installs SGLang and never skips these
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang_env import HiCacheFile, StorageBackendFactory, backend_config
+from sglang_hybrid_env import (
+    Controller,
+    Span,
+    chain,
+    dsa_pools,
+    flat_bytes,
+    mamba_pool,
+    mha_pool,
+    mla_pool,
+)
+
+from kvtier_async.errors import ConfigError, InvalidArgumentError
+from kvtier_async.integrations.sglang import KVTierHiCacheStorage
+from kvtier_async.integrations.sglang_hits import hit_answer
+
+KV, MAMBA, INDEXER = PoolName.KV, PoolName.MAMBA, PoolName.INDEXER
+SWA, DRAFT, DRAFT_SWA = PoolName.SWA, PoolName.DRAFT, PoolName.DRAFT_SWA
+P = 64  # MLA / DSA pages are 64 tokens
+
+
+def attach(
+    kind: str,
+    tier: dict[str, Any] | None,
+    kv: Any,
+    pools: dict[PoolName, Any],
+    root: Path,
+    **config: Any,
+) -> tuple[Any, Controller]:
+    """Attach a backend as SGLang does (KV pool first, then the v2 burst) and its controller."""
+    if kind == "ours":
+        storage_config = backend_config(tier, pool=kv, **config)
+        backend = StorageBackendFactory.create_backend("dynamic", storage_config, kv)
+        assert isinstance(backend, KVTierHiCacheStorage)
+    else:  # SGLang's own file backend, on flat pages (its only path)
+        storage_config = backend_config(None, pool=kv, extra={"interface_v1": 0}, **config)
+        storage_config.extra_config = {"file_storage_path": str(root / "hicache-file")}
+        backend = HiCacheFile(storage_config)
+    backend.register_mem_pool_host(kv)
+    backend.register_mem_host_pool_v2(kv, KV)
+    for name, pool in pools.items():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend, Controller(backend, kv, {KV: kv, **pools}, storage_config)
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> dict[str, Any]:
+    return {"type": "fs", "root": str(tmp_path / "kv")}
+
+
+# -- pool set 1: Mamba state + DSA indexer over MLA KV -------------------------------------------------
+TOKENS, KEYS = chain(20, P)
+OTHER_TOKENS, _ = chain(4, P, seed=7)
+
+
+def store_mamba_indexer_chain(c: Controller) -> list[int]:
+    """Pages 0-11 stored: state at the node ends 4 and 8 (none at 12: a missing trailing state),
+    the indexer on every page but 5 (a missing middle page)."""
+    return [
+        c.backup(KEYS, Span(range(0, 4), [INDEXER], {MAMBA: (torch.tensor([0]), 1)})),
+        c.backup(KEYS, Span(range(4, 5), [INDEXER])),
+        c.backup(KEYS, Span(range(5, 6))),
+        c.backup(KEYS, Span(range(6, 8), [INDEXER], {MAMBA: (torch.tensor([1]), 1)})),
+        c.backup(KEYS, Span(range(8, 12), [INDEXER])),
+    ]
+
+
+def mamba_indexer_answers(c: Controller) -> list[Any]:
+    both, state_only = c.hit_transfers({MAMBA: 1}, [INDEXER]), c.hit_transfers({MAMBA: 1}, [])
+    return [
+        c.query(TOKENS[: 12 * P], both),  # whole stored chain
+        c.query(TOKENS[: 4 * P], both),  # partial: the first node
+        c.query(TOKENS[: 3 * P], both),  # partial, ending where no state is
+        c.query(TOKENS[: 12 * P], state_only),  # no indexer asked: states at 4 and 8
+        c.query(TOKENS[4 * P : 12 * P], state_only, last_hash=KEYS[3], prefix_keys=KEYS[:4]),  # mid-chain
+        c.query(TOKENS, both),  # extended past what was stored
+        c.query(OTHER_TOKENS, both),  # never stored
+    ]
+
+
+MAMBA_INDEXER_EXPECTED = [
+    (4 * P, [4], {"kv": 12, "mamba": 8, "indexer": 5}),
+    (4 * P, [4], {"kv": 4, "mamba": 4, "indexer": 4}),
+    (0, [], {"kv": 3}),
+    (8 * P, [4, 8], {"kv": 12, "mamba": 8}),
+    (4 * P, [4], {"kv": 8, "mamba": 4}),  # from page 4: state only at the chain's page 8
+    (4 * P, [4], {"kv": 12, "mamba": 8, "indexer": 5}),
+    (0, [], {"kv": 0}),
+]
+
+
+def check_mamba_indexer_loads(c: Controller, kv: Any, indexer: Any, state: Any) -> None:
+    """Prefetch the first node (KV, indexer, its state) into other slots: byte-exact per pool; an
+    indexer load over the missing page fails that entry only."""
+    load = [PoolTransfer(name=INDEXER, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    load.append(
+        PoolTransfer(
+            name=MAMBA, host_indices=torch.tensor([9]), keys=["x"], hit_policy=PoolHitPolicy.TRAILING_PAGES
+        )
+    )
+    assert c.prefetch(KEYS[:4], [12, 13, 14, 15], load) == (
+        4 * P,
+        {"mamba": 1},
+    )  # the indexer counts in the KV pages
+    assert [flat_bytes(kv, p * P) for p in range(12, 16)] == [flat_bytes(kv, p * P) for p in range(4)]
+    assert [flat_bytes(indexer, p * P) for p in range(12, 16)] == [
+        flat_bytes(indexer, p * P) for p in range(4)
+    ]
+    assert flat_bytes(state, 9) == flat_bytes(state, 0)
+    middle = PoolTransfer(name=INDEXER, host_indices=torch.arange(12 * P, 15 * P), keys=KEYS[4:7])
+    assert c.ctl.storage_backend.batch_get_v2([middle]) == {INDEXER: [True, False, True]}
+
+
+def test_mamba_state_and_indexer_answer_and_load_as_hicache_file(fs: dict[str, Any], tmp_path: Path) -> None:
+    kv, indexer = dsa_pools(tokens=2048)
+    state = mamba_pool()
+    pools = {INDEXER: indexer, MAMBA: state}
+    ours, c = attach("ours", fs, kv, pools, tmp_path)
+    _, f = attach("file", None, kv, pools, tmp_path)
+    try:
+        assert store_mamba_indexer_chain(c) == store_mamba_indexer_chain(f) == [4 * P, P, P, 2 * P, 4 * P]
+        answers = mamba_indexer_answers(c)
+        assert answers == mamba_indexer_answers(f)
+        assert answers == MAMBA_INDEXER_EXPECTED
+        check_mamba_indexer_loads(c, kv, indexer, state)
+        check_mamba_indexer_loads(f, kv, indexer, state)
+    finally:
+        ours.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory", "fs-sealed"])
+def test_every_tier_answers_and_loads_the_same(
+    kind: str, fs: dict[str, Any], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Redis, memory and a sealed fs tier: the answers and bytes of the fs run above; a restart
+    over the same storage (redis, sealed fs) finds and loads it all again."""
+    if kind == "redis":
+        tier = {"type": "redis", "url": request.getfixturevalue("redis_server").url, "prefix": "hybrid"}
+    elif kind == "memory":
+        tier = {"type": "memory"}
+    else:
+        tier = {**fs, "secret_env": request.getfixturevalue("tier_secret_env")}
+    kv, indexer = dsa_pools(tokens=2048)
+    state = mamba_pool()
+    pools = {INDEXER: indexer, MAMBA: state}
+    ours, c = attach("ours", tier, kv, pools, tmp_path, model=f"org/hybrid-{kind}")
+    try:
+        store_mamba_indexer_chain(c)
+        assert mamba_indexer_answers(c) == MAMBA_INDEXER_EXPECTED
+        check_mamba_indexer_loads(c, kv, indexer, state)
+        if kind == "fs-sealed":
+            assert ours.tier_stats()["sealed"] is True
+    finally:
+        ours.close()
+    if kind == "memory":
+        return  # process memory: nothing outlives the backend
+    again, c2 = attach("ours", tier, kv, pools, tmp_path, model=f"org/hybrid-{kind}")
+    try:
+        assert mamba_indexer_answers(c2) == MAMBA_INDEXER_EXPECTED
+        check_mamba_indexer_loads(c2, kv, indexer, state)
+    finally:
+        again.close()
+    if kind == "fs-sealed":  # without the secret, nothing is found
+        plain, c3 = attach("ours", fs, kv, pools, tmp_path, model=f"org/hybrid-{kind}")
+        try:
+            assert c3.query(TOKENS[: 12 * P], c3.hit_transfers({MAMBA: 1}, [INDEXER]))[0] == 0
+        finally:
+            plain.close()
+
+
+def test_three_controller_threads_at_once_then_a_restart_and_close_leave_no_thread(
+    fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Backup, hit query and prefetch threads at once (as SGLang's controller runs them); then the
+    answers are HiCacheFile's, a restart over the same root gives them again, and close leaves no
+    thread of ours behind."""
+    before = set(threading.enumerate())
+    kv, indexer = dsa_pools(tokens=2048)
+    state = mamba_pool()
+    pools = {INDEXER: indexer, MAMBA: state}
+    ours, c = attach("ours", fs, kv, pools, tmp_path)
+    first_node = threading.Event()
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        c.backup(KEYS, Span(range(0, 4), [INDEXER], {MAMBA: (torch.tensor([0]), 1)}))
+        first_node.set()
+        store_mamba_indexer_chain(c)
+
+    def query() -> None:
+        first_node.wait(timeout=60)
+        for _ in range(20):
+            hit, restorable, _ = c.query(TOKENS[: 12 * P], c.hit_transfers({MAMBA: 1}, [INDEXER]))
+            assert hit == 4 * P and restorable == [4]
+
+    def prefetch() -> None:
+        first_node.wait(timeout=60)
+        load = [PoolTransfer(name=INDEXER, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        for _ in range(5):
+            assert c.prefetch(KEYS[:4], [16, 17, 18, 19], load) == (4 * P, {})
+
+    def guarded(work: Any) -> Any:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                errors.append(exc)
+                first_node.set()
+
+        return run
+
+    threads = [threading.Thread(target=guarded(w)) for w in (backup, query, prefetch)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        _, f = attach("file", None, kv, pools, tmp_path)
+        store_mamba_indexer_chain(f)
+        assert mamba_indexer_answers(c) == mamba_indexer_answers(f) == MAMBA_INDEXER_EXPECTED
+        assert [flat_bytes(indexer, p * P) for p in range(16, 20)] == [
+            flat_bytes(indexer, p * P) for p in range(4)
+        ]
+    finally:
+        ours.close()
+    again, c2 = attach("ours", fs, kv, pools, tmp_path)
+    assert mamba_indexer_answers(c2) == MAMBA_INDEXER_EXPECTED
+    again.close()
+    again.close()  # idempotent
+    started = [t for t in threading.enumerate() if t not in before]
+    for thread in started:  # worker threads leave once their queue is empty: wait for that
+        thread.join(timeout=30)
+    assert not [t.name for t in started if t.is_alive()]
+    with pytest.raises(Exception, match="closed"):
+        again.batch_exists_v2(KEYS[:1], [])
+
+
+# -- pool set 2: sliding windows, and draft pools registered late ----------------------------------------
+def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_file(
+    fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """gpt-oss / Gemma style: full-attention KV plus a 2-page sliding window (TRAILING_PAGES);
+    the draft model's KV and window pools arrive after start-up (`register_mem_host_pool_v2`)."""
+    page = 16
+    kv, swa = mha_pool("page_first", tokens=1024), mha_pool("page_first", layers=2, tokens=512)
+    draft, draft_swa = (
+        mha_pool("page_first", layers=1, tokens=1024),
+        mha_pool("page_first", layers=1, tokens=512),
+    )
+    tokens, keys = chain(16, page, seed=3)
+    answers: dict[str, list[Any]] = {}
+    for kind in ("ours", "file"):
+        backend, c = attach(kind, fs, kv, {SWA: swa}, tmp_path)
+        try:
+
+            def window(first: int) -> torch.Tensor:
+                return torch.arange(first * page, (first + 2) * page)
+
+            c.backup(keys, Span(range(0, 4), [], {SWA: (window(0), 2)}))
+            c.backup(keys, Span(range(4, 8), [], {SWA: (window(2), 2)}))
+            for name, pool in ((DRAFT, draft), (DRAFT_SWA, draft_swa)):  # the draft model arrives
+                backend.register_mem_host_pool_v2(pool, name)
+                c.ctl.mem_pool_host.entry_map[name] = type("Entry", (), {"host_pool": pool})
+            c.backup(keys, Span(range(8, 12), [DRAFT], {SWA: (window(4), 2), DRAFT_SWA: (window(6), 2)}))
+            target, drafted = c.hit_transfers({SWA: 2}, []), c.hit_transfers({SWA: 2, DRAFT_SWA: 2}, [DRAFT])
+            answers[kind] = [
+                c.query(tokens[: 12 * page], target),
+                c.query(tokens[: 7 * page], target),  # window pages 5, 6 never stored
+                c.query(tokens[: 12 * page], drafted),  # draft pools only on pages 8-11
+                c.query(tokens[8 * page : 12 * page], drafted, last_hash=keys[7], prefix_keys=keys[:8]),
+                c.query(tokens, target),
+            ]
+            # A prefetch of pages 8-11: KV and draft KV into host pages 40-43 (50-53), the
+            # window's last two pages into SWA pages 20-21 (24-25), re-aligned by SGLang.
+            dest, swa_dest = (40, 20) if kind == "ours" else (50, 24)
+            load = [
+                PoolTransfer(name=DRAFT, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES),
+                PoolTransfer(
+                    name=SWA,
+                    host_indices=window(swa_dest),
+                    keys=["a", "b"],
+                    hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                ),
+            ]
+            assert c.prefetch(keys[8:12], list(range(dest, dest + 4)), load) == (
+                4 * page,
+                {"swa": 2},  # the draft KV counts in the KV pages
+            )
+            for pool in (kv, draft):
+                assert [flat_bytes(pool, (dest + i) * page) for i in range(4)] == [
+                    flat_bytes(pool, p * page) for p in range(8, 12)
+                ]
+            assert [flat_bytes(swa, (swa_dest + i) * page) for i in range(2)] == [
+                flat_bytes(swa, p * page) for p in (4, 5)
+            ]
+        finally:
+            if kind == "ours":
+                backend.close()
+    assert answers["ours"] == answers["file"]
+    assert answers["ours"] == [
+        (12 * page, [4, 8, 12], {"kv": 12, "swa": 12}),
+        (4 * page, [4], {"kv": 7, "swa": 4}),
+        (0, [], {"kv": 12, "swa": 12, "draft_swa": 12}),  # no draft KV on pages 0-7
+        (4 * page, [4], {"kv": 4, "swa": 4, "draft_swa": 4, "draft": 4}),
+        (12 * page, [4, 8, 12], {"kv": 12, "swa": 12}),
+    ]
+
+
+# -- pool set 3: DeepSeek V3.2 (MLA + DSA indexer) in every layout --------------------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(
+    layout: str, fs: dict[str, Any], tmp_path: Path
+) -> None:
+    kv, indexer = dsa_pools(layout, tokens=1024)
+    tokens, keys = chain(8, P, seed=5)
+    answers = {}
+    for kind in ("ours", "file"):
+        backend, c = attach(kind, fs, kv, {INDEXER: indexer}, tmp_path)
+        try:
+            c.backup(keys, Span(range(0, 3), [INDEXER]))
+            c.backup(keys, Span(range(3, 4)))  # page 3: KV without its indexer page
+            c.backup(keys, Span(range(4, 6), [INDEXER]))
+            answers[kind] = [
+                c.query(tokens[: 6 * P], c.hit_transfers({}, [INDEXER])),
+                c.query(
+                    tokens[4 * P : 6 * P],
+                    c.hit_transfers({}, [INDEXER]),
+                    last_hash=keys[3],
+                    prefix_keys=keys[:4],
+                ),
+            ]
+            dest = 8 if kind == "ours" else 11
+            load = [PoolTransfer(name=INDEXER, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)]
+            assert c.prefetch(keys[:3], [dest, dest + 1, dest + 2], load) == (3 * P, {})
+            for pool in (kv, indexer):
+                assert [flat_bytes(pool, (dest + i) * P) for i in range(3)] == [
+                    flat_bytes(pool, i * P) for i in range(3)
+                ]
+        finally:
+            if kind == "ours":
+                backend.close()
+    assert answers["ours"] == answers["file"]
+    assert answers["ours"] == [
+        (3 * P, [1, 2, 3], {"kv": 6, "indexer": 3}),
+        (2 * P, [1, 2], {"kv": 2, "indexer": 2}),
+    ]
+
+
+# -- pool set 4: MLA + Mamba at TP 2 ----------------------------------------------------------------
+def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(fs: dict[str, Any], tmp_path: Path) -> None:
+    """Kimi-Linear style: one MLA KV copy for both ranks (rank 0 writes it), Mamba state per rank;
+    rank 1 holds a state only at the first node, so the ranks restore different lengths."""
+    fs = {**fs, "refresh_interval_s": 0}  # rank 1 looks at rank 0's new KV pages on every miss
+    kv = mla_pool("page_first", tokens=1024)
+    states = [mamba_pool(), mamba_pool()]
+    tokens, keys = chain(8, P, seed=9)
+    answers: dict[str, list[Any]] = {}
+    for kind in ("ours", "file"):
+        ranks = [
+            attach(kind, fs, kv, {MAMBA: states[rank]}, tmp_path, tp_rank=rank, tp_size=2) for rank in (0, 1)
+        ]
+        try:
+            for rank, (_, c) in enumerate(ranks):
+                c.backup(keys, Span(range(0, 4), [], {MAMBA: (torch.tensor([0]), 1)}))
+                if rank == 0:
+                    c.backup(keys, Span(range(4, 8), [], {MAMBA: (torch.tensor([1]), 1)}))
+                else:  # rank 1 is no writer: its KV is skipped, its state stored
+                    c.backup(keys, Span(range(4, 8)))
+            answers[kind] = [c.query(tokens, c.hit_transfers({MAMBA: 1}, [])) for _, c in ranks]
+            for rank, (_, c) in enumerate(ranks):
+                load = PoolTransfer(name=MAMBA, host_indices=torch.tensor([5 + rank]), keys=[keys[3]])
+                assert c.ctl.storage_backend.batch_get_v2([load]) == {MAMBA: [True]}
+                assert flat_bytes(states[rank], 5 + rank) == flat_bytes(states[rank], 0)  # its own state
+        finally:
+            for backend, _ in ranks:
+                if kind == "ours":
+                    backend.close()
+    assert answers["ours"] == answers["file"]
+    assert answers["ours"] == [(8 * P, [4, 8], {"kv": 8, "mamba": 8}), (4 * P, [4], {"kv": 8, "mamba": 4})]
+
+
+# -- layouts and bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_every_layout_of_an_extra_pool_round_trips_byte_exact(
+    layout: str, fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """SGLang's host layouts for a draft pool: each pool page stored and loaded as its own flat page."""
+    kv, draft = mha_pool("page_first", tokens=512), mha_pool(layout, tokens=512)
+    backend, _ = attach("ours", fs, kv, {DRAFT: draft}, tmp_path)
+    try:
+        ks = chain(2, 16)[1]
+        slots = torch.arange(0, 2 * draft.page_size)
+        assert backend.batch_set_v2([PoolTransfer(name=DRAFT, host_indices=slots, keys=ks)]) == {
+            DRAFT: [True, True]
+        }
+        dest = torch.arange(4 * draft.page_size, 6 * draft.page_size)
+        assert backend.batch_get_v2([PoolTransfer(name=DRAFT, host_indices=dest, keys=ks)]) == {
+            DRAFT: [True, True]
+        }
+        assert [flat_bytes(draft, (4 + i) * draft.page_size) for i in range(2)] == [
+            flat_bytes(draft, i * draft.page_size) for i in range(2)
+        ]
+    finally:
+        backend.close()
+
+
+def test_a_pool_without_flat_pages_fails_at_registration_naming_pool_and_layout(
+    fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """page_first_kv_split (an NPU-only MLA layout SGLang builds nowhere else) has no flat pages in
+    an MHA pool: registration fails, naming the pool and the layout; the backend still serves KV."""
+    kv, draft = mha_pool("page_first", tokens=512), mha_pool("page_first", tokens=512)
+    draft.layout = "page_first_kv_split"
+    backend, _ = attach("ours", fs, kv, {}, tmp_path)
+    try:
+        with pytest.raises(ConfigError, match=r"'draft'.*page_first_kv_split"):
+            backend.register_mem_host_pool_v2(draft, DRAFT)
+        with pytest.raises(InvalidArgumentError, match="draft"):
+            backend.batch_get_v2([PoolTransfer(name=DRAFT, host_indices=torch.arange(16), keys=["k"])])
+        assert backend.batch_set_v1(chain(1, 16)[1], torch.arange(16)) == [True]
+    finally:
+        backend.close()
+
+
+def test_pools_never_share_pages_and_bad_input_is_refused(fs: dict[str, Any], tmp_path: Path) -> None:
+    """A state page is never read as another pool's, nor another model's; a pool never registered
+    and a hit policy that does not exist are refused; indices that do not cover the keys fail
+    every entry, as HiCacheFile's do (SGLang relies on it)."""
+    kv, indexer = dsa_pools(tokens=1024)
+    state = mamba_pool()
+    backend, c = attach("ours", fs, kv, {INDEXER: indexer, MAMBA: state}, tmp_path)
+    other, _ = attach("ours", fs, kv, {INDEXER: indexer, MAMBA: state}, tmp_path, model="org/another")
+    try:
+        c.backup(KEYS, Span(range(0, 2), [INDEXER], {MAMBA: (torch.tensor([0]), 1)}))
+        swapped = PoolTransfer(name=INDEXER, host_indices=torch.arange(8 * P, 9 * P), keys=[KEYS[1]])
+        assert backend.batch_get_v2(
+            [PoolTransfer(name=MAMBA, host_indices=torch.tensor([3]), keys=[KEYS[0]])]
+        ) == {
+            MAMBA: [False]  # the state is at the node's last page, 1; page 0 has KV and indexer only
+        }
+        assert other.batch_get_v2([swapped]) == {INDEXER: [False]}
+        assert backend.batch_get_v2([swapped]) == {INDEXER: [True]}
+        with pytest.raises(InvalidArgumentError, match="swa"):
+            backend.batch_set_v2([PoolTransfer(name=SWA, host_indices=torch.arange(P), keys=[KEYS[0]])])
+        short = PoolTransfer(name=INDEXER, host_indices=torch.arange(P), keys=KEYS[:2])
+        assert backend.batch_get_v2([short]) == {INDEXER: [False, False]}
+        bad = PoolTransfer(name=INDEXER, hit_policy="every_other_page")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="every_other_page"):
+            backend.batch_exists_v2(KEYS[:2], [bad])
+    finally:
+        backend.close()
+        other.close()
+
+
+# -- BLOCK_GROUPS: HiCacheFile refuses it; ours answers whole groups --------------------------------------
+def groups(kv_pages: int, present: list[bool], group_pages: int, then: list[Any] | None = None) -> Any:
+    transfers = [
+        PoolTransfer(
+            name=PoolName.DEEPSEEK_V4_C4, hit_policy=PoolHitPolicy.BLOCK_GROUPS, group_pages=group_pages
+        )
+    ]
+    table = {PoolName.DEEPSEEK_V4_C4: present, **{t.name: present for t in then or []}}
+    return hit_answer(kv_pages, transfers + (then or []), lambda name: table[name][:kv_pages])
+
+
+def test_block_groups_report_whole_groups_and_gate_nothing(tmp_path: Path) -> None:
+    full = groups(10, [True] * 10, 4)
+    assert (full.kv_hit_pages, full.extra_pool_hit_pages) == (10, {"kv": 10, "deepseek_v4_c4": 8})
+    assert full.restorable_prefix_pages == list(range(1, 11))  # the KV hit is not cut
+    gap = groups(10, [True] * 5 + [False] + [True] * 4, 4)  # the second group has a gap
+    assert gap.extra_pool_hit_pages == {"kv": 10, "deepseek_v4_c4": 4} and gap.kv_hit_pages == 10
+    assert groups(3, [True] * 3, 4).extra_pool_hit_pages == {"kv": 3}  # no whole group: no verdict
+    with pytest.raises(InvalidArgumentError, match="group_pages"):
+        groups(4, [True] * 4, 0)
+    kv, _ = dsa_pools(tokens=512)
+    file, _ = attach("file", None, kv, {}, tmp_path)
+    assert file.batch_set(["k"], [kv.get_data_page(0)])
+    compressed = PoolTransfer(
+        name=PoolName.DEEPSEEK_V4_C4, hit_policy=PoolHitPolicy.BLOCK_GROUPS, group_pages=4
+    )
+    with pytest.raises(ValueError, match="BLOCK_GROUPS"):  # SGLang's own backend refuses it
+        file.batch_exists_v2(["k"], [compressed])
