@@ -28,6 +28,19 @@ disk, 128 pages a call, from one thread as SGLang's backup and prefetch-I/O thre
   on as many threads as the fs tier's I/O threads: no checksum, no index, no crash safety.
   Only where runs are 4096-byte multiples (O_DIRECT refuses smaller ones).
 
+Hybrid cases (SGLang's v2 interface, `HybridCacheController`'s calls): one backup per radix
+node of 16 KV pages (the KV pages, then the node's extra pool pages through `batch_set_v2`),
+one prefetch per node (the KV pages, then `batch_get_v2`):
+
+- `hybrid-mamba`: Qwen3.5 / Qwen3-Next class: KV of 12 full-attention layers (2 KV heads of
+  256, 64-token pages: 1.5 MiB), and one Mamba state per node (8 linear-attention layers of a
+  (32, 128, 128) fp32 SSM state and a (12288, 3) bf16 conv state: 16.6 MiB);
+- `hybrid-dsa`: DeepSeek V3.2 class: MLA KV of 16 layers (64-token pages, 1.1 MiB) and its DSA
+  indexer page (132 KiB) for every KV page.
+
+kvtier moves KV through the v1 calls and the extra pools through v2; `HiCacheFile` its KV
+through the generic calls (flat pages) and the extra pools through its own v2. No raw side.
+
 Flat pages for both generic sides are made before the clock starts. Also the time of a warm
 `batch_exists` of 128 keys (median of 200 calls). Every byte loaded by kvtier and raw is
 checked.
@@ -49,7 +62,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang_env import HiCacheFile, backend_config, mha_pool, slots
+from sglang_hybrid_env import dsa_pools, flat_bytes, mamba_pool
 
 from kvtier_async.integrations.sglang import KVTierHiCacheStorage
 from kvtier_async.measure import drop_page_cache, taking_turns
@@ -70,7 +85,10 @@ CASES: dict[str, dict[str, Any]] = {
         "path": "v1",
     },
     "generic": {"pool": {**BIG, "layers": 8}, "layout": "layer_first", "path": "generic"},
+    "hybrid-mamba": {"hybrid": "mamba", "layout": "page_first", "path": "v1 + v2"},
+    "hybrid-dsa": {"hybrid": "dsa", "layout": "page_first", "path": "v1 + v2"},
 }
+NODE_PAGES = 16  # KV pages per radix node: one backup, one Mamba state
 
 
 def page_views(pool: Any, page: int) -> list[memoryview]:
@@ -191,6 +209,151 @@ def raw_round(pool: Any, pages: int, root: Path, threads: int) -> dict[str, floa
     return {"set_s": set_s, "get_s": get_s}
 
 
+def hybrid_pools(kind: str, nodes: int) -> tuple[Any, PoolName, Any]:
+    """The KV host pool and the extra pool of a hybrid case, room for `nodes` nodes twice."""
+    tokens = 2 * nodes * NODE_PAGES * 64
+    if kind == "mamba":
+        kv = mha_pool("page_first", page_size=64, heads=2, head_dim=256, layers=12, tokens=tokens)
+        state = mamba_pool(layers=8, slots=2 * nodes, temporal=(32, 128, 128), conv=(12288, 3))
+        return kv, PoolName.MAMBA, state
+    kv, indexer = dsa_pools("page_first", layers=16, tokens=tokens)
+    return kv, PoolName.INDEXER, indexer
+
+
+def hybrid_transfer(name: PoolName, node: int, keys: list[str], dest: int) -> PoolTransfer:
+    """Node `node`'s extra pool pages, at host node `dest` (a Mamba slot, or the node's KV slots)."""
+    node_keys = keys[node * NODE_PAGES : (node + 1) * NODE_PAGES]
+    if name == PoolName.MAMBA:
+        return PoolTransfer(
+            name=name,
+            host_indices=torch.tensor([dest]),
+            keys=node_keys[-1:],
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        )
+    host = torch.arange(dest * NODE_PAGES * 64, (dest + 1) * NODE_PAGES * 64)
+    return PoolTransfer(name=name, host_indices=host, keys=node_keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+
+
+def hybrid_backend(side: str, kv: Any, name: PoolName, extra: Any, root: Path) -> Any:
+    if side == "kvtier":
+        backend: Any = KVTierHiCacheStorage(backend_config({"type": "fs", "root": str(root)}, pool=kv), {})
+    else:
+        backend = HiCacheFile(backend_config(None, pool=kv, extra={"file_storage_path": str(root)}))
+    backend.register_mem_pool_host(kv)
+    backend.register_mem_host_pool_v2(extra, name)
+    return backend
+
+
+def hybrid_round(
+    side: str, pools: tuple[Any, PoolName, Any], nodes: int, root: Path, tag: str
+) -> dict[str, float]:
+    """Back up `nodes` nodes, then (a restarted backend, cold page cache) prefetch them into the
+    other half of the pools; kvtier's loads are checked byte by byte."""
+    kv, name, extra = pools
+    keys = names(nodes * NODE_PAGES, tag)
+    node_pages = [range(n * NODE_PAGES, (n + 1) * NODE_PAGES) for n in range(nodes)]
+    flat = [kv.get_data_page(p * 64).clone() for p in range(nodes * NODE_PAGES)] if side == "file" else []
+    backend = hybrid_backend(side, kv, name, extra, root)
+    started = time.perf_counter()
+    for n, pages in enumerate(node_pages):
+        part = keys[pages.start : pages.stop]
+        if side == "kvtier":
+            assert all(backend.batch_set_v1(part, slots(kv, list(pages))))
+        else:
+            assert backend.batch_set(part, flat[pages.start : pages.stop])
+        assert all(backend.batch_set_v2([hybrid_transfer(name, n, keys, n)])[name])
+    set_s = time.perf_counter() - started
+    if side == "kvtier":
+        backend.close()
+        backend = hybrid_backend(side, kv, name, extra, root)  # a restarted server
+    drop_page_cache(root)
+    targets = [kv.get_dummy_flat_data_page() for _ in range(NODE_PAGES)] if side == "file" else []
+    started = time.perf_counter()
+    for n, pages in enumerate(node_pages):
+        part = keys[pages.start : pages.stop]
+        if side == "kvtier":
+            assert all(backend.batch_get_v1(part, slots(kv, [nodes * NODE_PAGES + p for p in pages])))
+        else:
+            assert all(page is not None for page in backend.batch_get(part, targets))
+        assert all(backend.batch_get_v2([hybrid_transfer(name, n, keys, nodes + n)])[name])
+    get_s = time.perf_counter() - started
+    exact = 1.0
+    if side == "kvtier":
+        pages_of = (
+            (lambda n: [n])
+            if name == PoolName.MAMBA
+            else (lambda n: [p * 64 for p in range(n * NODE_PAGES, (n + 1) * NODE_PAGES)])
+        )
+        exact = float(
+            all(
+                flat_bytes(kv, p * 64) == flat_bytes(kv, (nodes * NODE_PAGES + p) * 64)
+                for p in range(nodes * NODE_PAGES)
+            )
+            and all(
+                flat_bytes(extra, a) == flat_bytes(extra, b)
+                for n in range(nodes)
+                for a, b in zip(pages_of(n), pages_of(nodes + n))
+            )
+        )
+        backend.clear()
+        backend.close()
+    else:
+        backend.clear()
+    return {"set_s": set_s, "get_s": get_s, "exact": exact}
+
+
+def hybrid_case(name: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
+    case_config = CASES[name]
+    probe = hybrid_pools(case_config["hybrid"], 1)
+    kv, pool_name, extra = probe
+    kv_page = kv.get_data_page(0).numel() * kv.get_data_page(0).element_size()
+    extra_page = extra.get_dummy_flat_data_page().numel() * extra.get_dummy_flat_data_page().element_size()
+    extra_per_node = extra_page * (1 if pool_name == PoolName.MAMBA else NODE_PAGES)
+    node_nbytes = NODE_PAGES * kv_page + extra_per_node
+    del probe, kv, extra
+    nodes = max(2, (args.mib << 20) // node_nbytes)
+    pools = hybrid_pools(case_config["hybrid"], nodes)
+    rounds: dict[str, list[dict[str, float]]] = {"kvtier": [], "file": []}
+    for r in range(args.repeat):
+        for side in taking_turns(["kvtier", "file"], r):
+            root = Path(work) / f"{name}-{side}-{r}"
+            rounds[side].append(hybrid_round(side, pools, nodes, root, f"{side[0]}{r}"))
+            shutil.rmtree(root, ignore_errors=True)
+    nbytes = nodes * node_nbytes
+    case: dict[str, Any] = {
+        "case": name,
+        "page_kib": kv_page >> 10,
+        "extra_page_kib": extra_page >> 10,
+        "extra_pool": str(pool_name),
+        "run_bytes": 0,
+        "layout": case_config["layout"],
+        "path": case_config["path"],
+        "pages": nodes * NODE_PAGES,
+        "nodes": nodes,
+    }
+    for side, done in rounds.items():
+        case[side] = {
+            "set_gbps": statistics.median(nbytes / d["set_s"] / GB for d in done),
+            "get_gbps": statistics.median(nbytes / d["get_s"] / GB for d in done),
+        }
+    case["kvtier"]["exact"] = all(d["exact"] for d in rounds["kvtier"])
+    for op in ("set", "get"):
+        ratios = [f[f"{op}_s"] / k[f"{op}_s"] for k, f in zip(rounds["kvtier"], rounds["file"])]
+        case[f"{op}_vs_file"] = statistics.median(ratios)
+    return case
+
+
+def print_hybrid_case(case: dict[str, Any]) -> None:
+    k, f = case["kvtier"], case["file"]
+    print(
+        f"{case['case']:<17} {case['nodes']} nodes of {NODE_PAGES} x {case['page_kib']} KiB KV pages + "
+        f"{case['extra_pool']} pages of {case['extra_page_kib']} KiB | set GB/s kvtier {k['set_gbps']:.2f} "
+        f"file {f['set_gbps']:.2f} | get GB/s kvtier {k['get_gbps']:.2f} file {f['get_gbps']:.2f} | "
+        f"kvtier/file set {case['set_vs_file']:.2f}x get {case['get_vs_file']:.2f}x | exact {k['exact']}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -204,6 +367,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-sglang-", dir=args.dir) as work:
         for name in args.cases:
             case_config = CASES[name]
+            if "hybrid" in case_config:
+                results.append(hybrid_case(name, args, work))
+                print_hybrid_case(results[-1])
+                continue
             geometry = case_config["pool"]
             probe = mha_pool(case_config["layout"], tokens=2 * geometry["page_size"], **geometry)
             _, sizes = probe.get_page_buffer_meta(slots(probe, [0]))

@@ -56,11 +56,19 @@ def randomize(tensors: Any) -> None:
         raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
 
 
-def mamba_pool(layout: str = "page_first", *, layers: int = 3, slots: int = 16) -> MambaPoolHost:
-    """SGLang's Mamba state host pool: an fp32 temporal (SSM) state and a bf16 conv state per layer."""
+def mamba_pool(
+    layout: str = "page_first",
+    *,
+    layers: int = 3,
+    slots: int = 16,
+    temporal: tuple[int, ...] = (4, 16, 16),
+    conv: tuple[int, ...] = (8, 3),
+) -> MambaPoolHost:
+    """SGLang's Mamba state host pool: an fp32 temporal (SSM) state of shape `temporal` and a bf16
+    conv state of shape `conv` per layer (Qwen3-Next at TP 1: (32, 128, 128) and (12288, 3))."""
     info = MambaStateBufferInfo(
-        temporal=torch.zeros(layers, slots, 4, 16, 16, dtype=torch.float32),
-        conv=(torch.zeros(layers, slots, 8, 3, dtype=torch.bfloat16),),
+        temporal=torch.zeros(layers, slots, *temporal, dtype=torch.float32),
+        conv=(torch.zeros(layers, slots, *conv, dtype=torch.bfloat16),),
     )
     with host_memory_budget_scope(BUDGET):
         pool = MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, layout=layout)

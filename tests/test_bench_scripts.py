@@ -150,6 +150,26 @@ def test_sglang_backend_bench_runs(tmp_path: Path) -> None:
     assert "raw" not in cases[1] and cases[0]["set_vs_raw"] > 0  # O_DIRECT refuses 1 KiB runs
 
 
+def test_sglang_backend_bench_hybrid_row_runs(tmp_path: Path) -> None:
+    out = tmp_path / "hybrid.json"
+    bench(
+        "sglang_backend.py",
+        "--cases",
+        "hybrid-dsa",
+        "--mib",
+        "8",
+        "--repeat",
+        "2",
+        "--dir",
+        tmp_path,
+        "--json",
+        out,
+    )
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["case"], case["extra_pool"], case["nodes"]) == ("hybrid-dsa", "indexer", 2)
+    assert case["kvtier"]["exact"] and case["set_vs_file"] > 0 and case["get_vs_file"] > 0
+
+
 def test_replay_trace_bench_runs(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     lines = [  # a shared head, four second blocks, a tail of its own each

@@ -37,6 +37,7 @@ from sglang_hybrid_env import (
 from kvtier_async.errors import ConfigError, InvalidArgumentError
 from kvtier_async.integrations.sglang import KVTierHiCacheStorage
 from kvtier_async.integrations.sglang_hits import hit_answer
+from kvtier_async.integrations.sglang_pools import FlatPages, PoolRuns
 
 KV, MAMBA, INDEXER = PoolName.KV, PoolName.MAMBA, PoolName.INDEXER
 SWA, DRAFT, DRAFT_SWA = PoolName.SWA, PoolName.DRAFT, PoolName.DRAFT_SWA
@@ -100,6 +101,7 @@ def mamba_indexer_answers(c: Controller) -> list[Any]:
         c.query(TOKENS[4 * P : 12 * P], state_only, last_hash=KEYS[3], prefix_keys=KEYS[:4]),  # mid-chain
         c.query(TOKENS, both),  # extended past what was stored
         c.query(OTHER_TOKENS, both),  # never stored
+        c.query(TOKENS[: 12 * P], [PoolTransfer(name=KV)]),  # KV named as a pool: the KV pages
     ]
 
 
@@ -111,6 +113,7 @@ MAMBA_INDEXER_EXPECTED = [
     (4 * P, [4], {"kv": 8, "mamba": 4}),  # from page 4: state only at the chain's page 8
     (4 * P, [4], {"kv": 12, "mamba": 8, "indexer": 5}),
     (0, [], {"kv": 0}),
+    (12 * P, list(range(1, 13)), {"kv": 12}),
 ]
 
 
@@ -448,6 +451,25 @@ def test_a_pool_without_flat_pages_fails_at_registration_naming_pool_and_layout(
         backend.close()
 
 
+@pytest.mark.parametrize(
+    "kind", ["mamba-page_first", "mamba-page_first_direct", "dsa-page_first", "dsa-layer_first"]
+)
+def test_pools_copied_run_by_run_store_exactly_their_flat_pages(kind: str) -> None:
+    """Mamba and DSA indexer pools in the page-first layouts are copied run by run, skipping
+    SGLang's flat page: the runs, in order, must be that flat page byte for byte (so either way
+    of copying stores the same bytes); other layouts go through the flat pages."""
+    family, layout = kind.split("-", 1)
+    pool = mamba_pool(layout) if family == "mamba" else dsa_pools(layout)[1]
+    runs = PoolRuns.of(pool, FlatPages.of("pool", pool))
+    if layout == "layer_first":
+        assert runs is None
+        return
+    assert runs is not None
+    starts = [3 * pool.page_size, 1 * pool.page_size, 6 * pool.page_size]
+    for start, page_runs in zip(starts, runs.runs_of(starts)):
+        assert b"".join(bytes(a[o : o + n]) for a, o, n in page_runs) == flat_bytes(pool, start)
+
+
 def test_pools_never_share_pages_and_bad_input_is_refused(fs: dict[str, Any], tmp_path: Path) -> None:
     """A state page is never read as another pool's, nor another model's; a pool never registered
     and a hit policy that does not exist are refused; indices that do not cover the keys fail
@@ -473,6 +495,9 @@ def test_pools_never_share_pages_and_bad_input_is_refused(fs: dict[str, Any], tm
         bad = PoolTransfer(name=INDEXER, hit_policy="every_other_page")  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError, match="every_other_page"):
             backend.batch_exists_v2(KEYS[:2], [bad])
+        backend.clear()  # SGLang's flush: the extra pools' pages go with the KV pages
+        assert backend.batch_get_v2([swapped]) == {INDEXER: [False]}
+        assert backend.batch_exists_v2(KEYS[:2], c.hit_transfers({MAMBA: 1}, [INDEXER])).kv_hit_pages == 0
     finally:
         backend.close()
         other.close()

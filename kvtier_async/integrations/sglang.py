@@ -200,9 +200,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             raise
         with self._lock:
             self._main = main
-            self._pools = ExtraPools(
-                self.storage_config, bridge, self._open_extra, self._extra_spec, PAGE_SLOT_BYTES
-            )
+            self._pools = ExtraPools(self.storage_config, bridge, self._open_extra, self._extra_spec)
         log.info(
             "kvtier SGLang backend: %s tier, namespace %s, %s path, %d runs of %d bytes per page, %s",
             self.tier_config["type"],
@@ -409,7 +407,13 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         kv_pages = self.batch_exists(keys, extra_info) if keys else 0
         pages = [_page_key(key) for key in keys[:kv_pages]]
         pools = self._extra_pools()
-        return hit_answer(kv_pages, pool_transfers or [], lambda name: pools.present(_pool_name(name), pages))
+
+        def present(name: Any) -> list[bool]:
+            if _pool_name(name) == PoolName.KV:  # the KV pages themselves: the leading run found
+                return [True] * kv_pages
+            return pools.present(_pool_name(name), pages)
+
+        return hit_answer(kv_pages, pool_transfers or [], present)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
@@ -553,13 +557,15 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
 
     # -- SGLang's housekeeping -------------------------------------------------------------------------
     def clear(self) -> None:
-        """Delete the pages this backend remembers (stored, loaded or found present). Pages of a
-        shared tier it never met stay: one server's flush does not empty the fleet's cache."""
+        """Delete the pages this backend remembers (stored, loaded or found present), KV and extra
+        pools. Pages of a shared tier it never met stay: one server's flush does not empty the
+        fleet's cache."""
         bridge, tier, layout = self._main_tier()
         with self._lock:
             pages = self._known.take_all()
         if pages:
             bridge.call(tier.delete(layout.keys(pages)))
+        self._extra_pools().clear()
 
     def get_stats(self) -> Any:
         """SGLang's `StorageMetrics` since the last call (with `--enable-metrics`), or None."""

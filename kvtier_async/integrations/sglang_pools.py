@@ -14,10 +14,12 @@ model's KV and its state are never confused, nor two models' pools, nor two rank
 A page's bytes are whatever the pool's own `get_data_page(index, flat=True)` gives and its
 `set_from_flat_data_page` takes back: the pages SGLang's `HiCacheFile` stores, for every layout
 the pool serves. A pool whose layout has no flat pages fails at registration with a
-`ConfigError` naming the pool and its layout. The page slots' copy is one memcpy of a page;
-moving state pages in place (the pool as the tier's primary memory) is not done: a Mamba pool
-is several buffers of different strides, and its zero-copy description refuses the side states
-a pool may carry.
+`ConfigError` naming the pool and its layout. Mamba and DSA indexer pools in the page-first
+layouts are copied run by run between their buffers and the page slots (`PoolRuns`: the same
+bytes, without the flat page SGLang would build first). Pages are not moved in place (the pool
+as the tier's primary memory): a Mamba pool is several buffers of different strides, its
+zero-copy description refuses the side states a pool may carry, and a DSA indexer page is
+rarely a multiple of 4096 bytes.
 
 Ranks. SGLang keeps Mamba state per tensor-parallel rank even where the model's MLA KV is one
 copy shared by all ranks (HiCacheFile's file names say the same): the Mamba pool's namespace
@@ -26,6 +28,7 @@ always carries the TP rank; every other pool follows the KV pages (per rank, exc
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -33,6 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 
@@ -40,13 +44,27 @@ from ..errors import ConfigError, InvalidArgumentError
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread
+from .known_keys import KnownKeys
 from .model_identity import weights_identity
 from .sglang_pages import BlockLayout, PageSlots, StagedPages
 
-__all__ = ["ExtraPools", "pool_namespace"]
+__all__ = ["EXTRA_POOL_SLOT_BYTES", "KNOWN_POOL_PAGES", "ExtraPools", "pool_namespace"]
 
 log = logging.getLogger(__name__)
 
+#: Bytes of page slots per extra pool, at most (at least two pages: a Mamba state can be tens of MiB).
+EXTRA_POOL_SLOT_BYTES = 64 << 20
+#: Pages per extra pool this backend remembers the tier holds (see `KnownKeys`).
+KNOWN_POOL_PAGES = 1 << 16
+#: Host pools whose described runs (`get_page_buffer_meta`), in order, are exactly their flat page,
+#: in these layouts (read from SGLang 0.5.23: a Mamba state's temporal then conv rows, a DSA
+#: indexer's page row; tests check it byte for byte). Their pages are copied run by run between
+#: the pool and the page slots, skipping the flat page SGLang would build first (a Mamba state's
+#: `torch.cat` of tens of MiB). Every other pool moves as its flat pages: the same bytes.
+RUN_COPY_POOLS = {
+    "MambaPoolHost": ("page_first", "page_first_direct"),
+    "DSAIndexerPoolHost": ("page_first", "page_first_direct"),
+}
 #: Pools whose pages differ per tensor-parallel rank even for an MLA model (SGLang's own rule).
 PER_RANK_POOLS = frozenset({PoolName.MAMBA})
 #: Attributes of a host pool that decide its pages' bytes, where the pool has them.
@@ -136,14 +154,66 @@ class FlatPages:
         return fields
 
 
+class PoolRuns:
+    """Where a `RUN_COPY_POOLS` pool's pages lie: runs of its own CPU buffers, as byte arrays."""
+
+    def __init__(self, pool: Any, page_size: int) -> None:
+        self.pool, self.page_size = pool, page_size
+        buffers = []
+        for buffer in pool.get_hybrid_pool_buffer():
+            if (
+                not isinstance(buffer, torch.Tensor)
+                or buffer.device.type != "cpu"
+                or not buffer.is_contiguous()
+            ):
+                raise ValueError("a host buffer that is not a contiguous CPU tensor")
+            if buffer.numel():
+                buffers.append((buffer.data_ptr(), buffer.view(torch.uint8).reshape(-1).numpy()))
+        buffers.sort(key=lambda item: item[0])
+        self.bases = [base for base, _ in buffers]
+        self.arrays = [array for _, array in buffers]
+
+    @classmethod
+    def of(cls, pool: Any, pages: FlatPages) -> PoolRuns | None:
+        """The pool's runs, if it is one of `RUN_COPY_POOLS` and describes its first page as
+        runs of its buffers adding up to its flat page; None otherwise."""
+        if getattr(pool, "layout", None) not in RUN_COPY_POOLS.get(type(pool).__name__, ()):
+            return None
+        try:
+            runs = cls(pool, pages.page_size)
+            (first,) = runs.runs_of([0])
+        except (NotImplementedError, ValueError, AssertionError, AttributeError, TypeError):
+            return None  # e.g. a Mamba pool with side states: its flat pages carry them
+        return runs if sum(n for _, _, n in first) == pages.page_nbytes else None
+
+    def runs_of(self, starts: Sequence[int]) -> list[list[tuple[np.ndarray, int, int]]]:
+        """Per page (its first host slot), its runs: (buffer bytes, offset, length), in order."""
+        indices = torch.cat([torch.arange(s, s + self.page_size, dtype=torch.int64) for s in starts])
+        ptrs, sizes = self.pool.get_page_buffer_meta(indices)
+        if not starts or len(ptrs) % len(starts) or len(ptrs) != len(sizes):
+            raise InvalidArgumentError("the host pool describes its pages as uneven runs")
+        per_page, runs = len(ptrs) // len(starts), []
+        for ptr, size in zip(ptrs, sizes):
+            at = bisect.bisect_right(self.bases, int(ptr)) - 1
+            offset = int(ptr) - self.bases[at] if at >= 0 else -1
+            if at < 0 or not 0 <= offset <= self.arrays[at].size - int(size):
+                raise InvalidArgumentError("host indices name a slot outside the host pool")
+            runs.append((self.arrays[at], offset, int(size)))
+        return [runs[i * per_page : (i + 1) * per_page] for i in range(len(starts))]
+
+
 class _Pool:
     """One registered extra pool: its host pool, its flat pages, and its tier over page slots."""
 
     def __init__(self, name: str, pool: Any, pages: FlatPages, staged: StagedPages, shared: bool) -> None:
         self.name, self.pool, self.pages, self.staged = name, pool, pages, staged
+        #: Where its pages lie as runs (copied run by run), or None (moved as flat pages).
+        self.runs = PoolRuns.of(pool, pages)
         #: One copy for all TP ranks (MLA's non-Mamba pools): only SGLang's writer rank stores it.
         self.shared = shared
         self.layout = staged.slots.layout
+        #: Pages stored, loaded or found present; guarded by `ExtraPools._lock`.
+        self.known: KnownKeys[bytes] = KnownKeys(KNOWN_POOL_PAGES)
 
     def slots_of(self, keys: int, host_indices: Any) -> list[int] | None:
         """Each page's first host slot, as SGLang's `HiCacheFile` takes them; None where the
@@ -167,10 +237,9 @@ class ExtraPools:
         bridge: LoopThread,
         open_tier: Callable[[OffloadingSpec, memoryview], KVTier],
         spec_of: Callable[[int, int, int, str], OffloadingSpec],
-        slot_bytes: int,
     ) -> None:
         self.config, self.bridge = config, bridge
-        self._open_tier, self._spec_of, self._slot_bytes = open_tier, spec_of, slot_bytes
+        self._open_tier, self._spec_of = open_tier, spec_of
         self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
 
@@ -187,10 +256,11 @@ class ExtraPools:
         per_rank = name in PER_RANK_POOLS or not self.config.is_mla_model
         namespace = pool_namespace(self.config, pages.geometry(name, pool), per_rank=per_rank)
         layout = BlockLayout.packed_page(pages.page_nbytes)
-        slots = PageSlots(pages, layout, self._slot_bytes)
+        slots = PageSlots(pages, layout, EXTRA_POOL_SLOT_BYTES)
         spec = self._spec_of(layout.block_nbytes, slots.slots, pages.page_size, namespace)
         tier = self._open_tier(spec, slots.view)
         entry = _Pool(name, pool, pages, StagedPages(tier, slots, self.bridge), shared=not per_rank)
+        tier.removal_listeners.append(lambda keys: self._forget(entry, keys))
         with self._lock:
             if name in self._pools:  # registered meanwhile by another thread
                 racer = self._pools[name]
@@ -214,12 +284,24 @@ class ExtraPools:
             return self._pools.get(name)
 
     def present(self, name: str, pages: Sequence[bytes]) -> list[bool]:
-        """Per page, whether pool `name` holds it whole (a pool never registered holds nothing)."""
+        """Per page, whether pool `name` holds it whole (a pool never registered holds nothing).
+        Pages this backend knows of are answered from memory; the tier is asked about the rest."""
         entry = self._entry(name)
         if entry is None or not pages:
             return [False] * len(pages)
-        found = self.bridge.call(entry.staged.tier.lookup_each(entry.layout.keys(pages), stop_at_miss=False))
-        return entry.layout.per_page(found)
+        with self._lock:
+            answer = [entry.known.touch(page) for page in pages]
+        unknown = [page for page, known in zip(pages, answer) if not known]
+        if unknown:
+            found = entry.layout.per_page(
+                self.bridge.call(
+                    entry.staged.tier.lookup_each(entry.layout.keys(unknown), stop_at_miss=False)
+                )
+            )
+            self._settle(entry, unknown, found)
+            found_of = dict(zip(unknown, found))
+            answer = [known or found_of[page] for page, known in zip(pages, answer)]
+        return answer
 
     def store(self, name: str, pages: list[bytes], host_indices: Any) -> list[bool]:
         """Store pool `name`'s pages from their host slots; True per page stored."""
@@ -232,13 +314,19 @@ class ExtraPools:
             return [False] * len(pages)
         if entry.shared and not self.config.is_storage_writer:
             return [True] * len(pages)  # an MLA replica: the writer rank stores the shared copy
-        pool = entry.pool
+        pool, runs = entry.pool, entry.runs.runs_of(starts) if entry.runs is not None else None
 
         def fill(i: int, page: torch.Tensor) -> None:
+            if runs is not None:
+                _gather(runs[i], page.view(-1).numpy())
+                return
             flat = pool.get_data_page(starts[i], flat=True)
             page.view(-1).copy_(flat.contiguous().view(torch.uint8).reshape(-1))
 
-        return entry.staged.store(pages, fill)
+        stored = entry.staged.store(pages, fill)
+        with self._lock:
+            entry.known.add(page for page, ok in zip(pages, stored) if ok)
+        return stored
 
     def load(self, name: str, pages: list[bytes], host_indices: Any) -> list[bool]:
         """Load pool `name`'s pages into their host slots; True per page that arrived whole."""
@@ -250,11 +338,35 @@ class ExtraPools:
             log.error("kvtier SGLang backend: %s: host indices do not cover %d pages", name, len(pages))
             return [False] * len(pages)
         pool, dtype = entry.pool, entry.pages.dtype
+        runs = entry.runs.runs_of(starts) if entry.runs is not None else None
 
         def drain(i: int, page: torch.Tensor) -> None:
+            if runs is not None:
+                _scatter(page.view(-1).numpy(), runs[i])
+                return
             pool.set_from_flat_data_page(starts[i], page.view(-1).view(dtype))
 
-        return entry.staged.load(pages, drain)
+        loaded = entry.staged.load(pages, drain)
+        self._settle(entry, pages, loaded)
+        return loaded
+
+    def clear(self) -> None:
+        """Delete the pages of every pool this backend remembers (as `clear` does for KV)."""
+        with self._lock:
+            taken = [(entry, entry.known.take_all()) for entry in self._pools.values()]
+        for entry, pages in taken:
+            if pages:
+                self.bridge.call(entry.staged.tier.delete(entry.layout.keys(pages)))
+
+    def _settle(self, entry: _Pool, pages: Sequence[bytes], found: Sequence[bool]) -> None:
+        with self._lock:
+            entry.known.add(page for page, ok in zip(pages, found) if ok)
+            entry.known.forget(page for page, ok in zip(pages, found) if not ok)
+
+    def _forget(self, entry: _Pool, keys: list[bytes]) -> None:
+        """The pool's tier let go of blocks (evicted, deleted, found corrupt): loop thread."""
+        with self._lock:
+            entry.known.forget(BlockLayout.page_of(key) for key in keys)
 
     def _require(self, name: str) -> _Pool:
         entry = self._entry(name)
@@ -263,3 +375,17 @@ class ExtraPools:
                 f"kvtier SGLang backend: no host pool '{name}' registered (register_mem_host_pool_v2)"
             )
         return entry
+
+
+def _gather(runs: list[tuple[np.ndarray, int, int]], page: np.ndarray) -> None:
+    at = 0
+    for array, offset, size in runs:
+        page[at : at + size] = array[offset : offset + size]
+        at += size
+
+
+def _scatter(page: np.ndarray, runs: list[tuple[np.ndarray, int, int]]) -> None:
+    at = 0
+    for array, offset, size in runs:
+        array[offset : offset + size] = page[at : at + size]
+        at += size
