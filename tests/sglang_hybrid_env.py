@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.qsa import QSAIndexerPoolHost
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 from sglang_env import mha_pool, mla_pool
@@ -46,6 +47,7 @@ __all__ = [
     "mamba_pool",
     "mha_pool",
     "mla_pool",
+    "qsa_pools",
     "randomize",
 ]
 
@@ -96,6 +98,23 @@ def dsa_pools(layout: str = "page_first", *, layers: int = 2, tokens: int = 1024
         indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), kv, pin_memory=False)
     randomize(kv.kv_buffer)
     randomize(indexer.index_k_with_scale_buffer)
+    return kv, indexer
+
+
+def qsa_pools(layout: str = "page_first", *, layers: int = 3, tokens: int = 2048) -> tuple[Any, Any]:
+    """MHA KV with 64-token pages and SGLang's QSA indexer host pool over it (compressed keys of
+    every 4 tokens, 128 bf16 dims a layer). Only the indexer's buffer shapes come from its device
+    pool, so that is a stand-in of those buffers; the host pool is SGLang's own."""
+    kv = mha_pool(layout, page_size=64, tokens=tokens)
+    device = SimpleNamespace(
+        qsa_compress_ratio=4,
+        qsa_compressed_k_buffer_pool=[
+            torch.zeros(tokens // 4 + 64, 128, dtype=torch.bfloat16) for _ in range(layers)
+        ],
+    )
+    with host_memory_budget_scope(BUDGET):
+        indexer = QSAIndexerPoolHost(device, kv)
+    randomize(indexer.kv_buffer)
     return kv, indexer
 
 

@@ -32,6 +32,7 @@ from sglang_hybrid_env import (
     mamba_pool,
     mha_pool,
     mla_pool,
+    qsa_pools,
 )
 
 from kvtier_async.errors import ConfigError, InvalidArgumentError
@@ -139,11 +140,17 @@ def check_mamba_indexer_loads(c: Controller, kv: Any, indexer: Any, state: Any) 
     assert c.ctl.storage_backend.batch_get_v2([middle]) == {INDEXER: [True, False, True]}
 
 
-def test_mamba_state_and_indexer_answer_and_load_as_hicache_file(fs: dict[str, Any], tmp_path: Path) -> None:
-    kv, indexer = dsa_pools(tokens=2048)
+@pytest.mark.parametrize("indexers", ["dsa", "qsa", "dsa-generic"])
+def test_mamba_state_and_indexer_answer_and_load_as_hicache_file(
+    indexers: str, fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Mamba state beside a DSA indexer over MLA KV, and beside a QSA indexer over MHA KV; KV
+    through the v1 path, or (without `interface_v1`) SGLang's generic flat-page path."""
+    kv, indexer = qsa_pools(tokens=2048) if indexers == "qsa" else dsa_pools(tokens=2048)
     state = mamba_pool()
     pools = {INDEXER: indexer, MAMBA: state}
-    ours, c = attach("ours", fs, kv, pools, tmp_path)
+    generic = {"extra": {"interface_v1": 0}} if indexers.endswith("generic") else {}
+    ours, c = attach("ours", fs, kv, pools, tmp_path, **generic)
     _, f = attach("file", None, kv, pools, tmp_path)
     try:
         assert store_mamba_indexer_chain(c) == store_mamba_indexer_chain(f) == [4 * P, P, P, 2 * P, 4 * P]
