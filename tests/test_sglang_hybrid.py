@@ -451,6 +451,7 @@ def test_a_pool_without_flat_pages_fails_at_registration_naming_pool_and_layout(
     try:
         with pytest.raises(ConfigError, match=r"'draft'.*page_first_kv_split"):
             backend.register_mem_host_pool_v2(draft, DRAFT)
+        assert DRAFT not in getattr(backend, "registered_pools", {})
         with pytest.raises(InvalidArgumentError, match="draft"):
             backend.batch_get_v2([PoolTransfer(name=DRAFT, host_indices=torch.arange(16), keys=["k"])])
         assert backend.batch_set_v1(chain(1, 16)[1], torch.arange(16)) == [True]

@@ -372,8 +372,8 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
     # -- the v2 interface: a hybrid model's other host pools -------------------------------------------
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """SGLang hands over one more host pool (Mamba state, SWA, indexer, draft: at start-up, or
-        later for draft pools): open its tier now, so a pool that cannot be served fails start-up."""
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        later for draft pools): open its tier now, so a pool that cannot be served fails start-up
+        (and is not registered)."""
         name = _pool_name(host_pool_name)
         with self._lock:
             kv_pool = self._runs.pool if self._runs is not None else None
@@ -382,10 +382,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                 raise ConfigError(
                     "kvtier SGLang backend: the v2 KV pool is not the host pool SGLang registered first"
                 )
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return  # its pages are the KV pages: the v1 / generic path's
         pools = self._extra_pools()
         with self._opening:
             namespace = pools.register(name, host_pool)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if namespace is not None:
             log.info(
                 "kvtier SGLang backend: host pool %s (%s), namespace %s",
