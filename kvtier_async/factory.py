@@ -117,3 +117,4 @@ SecondaryTierFactory.register_tier("memory", "kvtier_async.tiers.memory", "Memor
 SecondaryTierFactory.register_tier("fs", "kvtier_async.tiers.fs", "FileSystemTier")
 SecondaryTierFactory.register_tier("redis", "kvtier_async.tiers.redis_tier", "RedisTier")
 SecondaryTierFactory.register_tier("s3", "kvtier_async.tiers.object_store", "ObjectStoreTier")
+SecondaryTierFactory.register_tier("mooncake", "kvtier_async.tiers.mooncake", "MooncakeTier")

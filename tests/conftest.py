@@ -70,6 +70,17 @@ def s3_server() -> Iterator[servers.S3Server]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[servers.MooncakeMaster]:
+    """A mooncake_master on loopback for one test module (tests name their objects apart)."""
+    if servers.MOONCAKE_MISSING is not None:
+        pytest.skip(servers.MOONCAKE_MISSING)
+    master = servers.MooncakeMaster()
+    master.start()
+    yield master
+    master.stop()
+
+
 @pytest.fixture
 def tier_secret_env(monkeypatch: pytest.MonkeyPatch) -> str:
     """The name of an environment variable holding a fresh tier secret (for `secret_env`)."""

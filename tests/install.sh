@@ -21,5 +21,8 @@ trap 'rm -f "$constraints"' EXIT
 "${pip[@]}" -c "$constraints" --no-deps vllm==0.33.0 xgrammar==0.2.8 sglang==0.5.23 triton==3.7.0 lmcache==0.5.6
 "${pip[@]}" -c "$constraints" -r tests/requirements-vllm-cpu.txt -r tests/requirements-sglang-cpu.txt \
     -r tests/requirements-lmcache-cpu.txt
+# The Mooncake Store client the Mooncake tier's tests use (its non-CUDA build: it depends on nothing
+# heavier than requests, aiohttp and msgpack; its native libraries need Debian's libibverbs1).
+"${pip[@]}" -c "$constraints" mooncake-transfer-engine-non-cuda==0.3.13.post1
 .venv/bin/python tests/lmcache_contract/fetch_tests.py .venv/lmcache-tests
 "${pip[@]}" --no-deps .venv/lmcache-tests/examples/lmc_external_l2_adapter  # its tests import it

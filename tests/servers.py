@@ -1,4 +1,5 @@
-"""Real servers for the tests, on loopback and free ports: Redis (standalone and Cluster), S3 (moto).
+"""Real servers for the tests, on loopback and free ports: Redis (standalone and Cluster), S3 (moto),
+a Mooncake Store master.
 
 Each is a `redis-server` process in a temporary directory, stopped afterwards.
 Tests that need one are skipped with a clear reason where `redis-server` is
@@ -9,6 +10,8 @@ servers and sets it), where a missing one is an error: CI never skips them.
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
+import importlib.util
 import os
 import random
 import shutil
@@ -30,6 +33,26 @@ needs_redis = pytest.mark.skipif(
     REDIS_SERVER is None or REDIS_CLI is None,
     reason="redis-server is not installed (apt-get install redis-server)",
 )
+
+
+def _mooncake_missing() -> str | None:
+    """Why the Mooncake tests cannot run here, or None."""
+    if importlib.util.find_spec("mooncake") is None:
+        return "the Mooncake client is not installed (pip install mooncake-transfer-engine-non-cuda)"
+    if ctypes.util.find_library("ibverbs") is None:
+        return "libibverbs is not installed (apt-get install libibverbs1), which the Mooncake client needs"
+    if MOONCAKE_MASTER is None:
+        return "mooncake_master is not installed (it comes with the Mooncake wheel)"
+    return None
+
+
+MOONCAKE_MASTER = shutil.which("mooncake_master") or shutil.which(
+    "mooncake_master", path=str(Path(sys.executable).parent)
+)
+MOONCAKE_MISSING = _mooncake_missing()
+if os.environ.get("KVTIER_REQUIRE_SERVERS") == "1" and MOONCAKE_MISSING is not None:
+    raise RuntimeError(f"KVTIER_REQUIRE_SERVERS=1 but {MOONCAKE_MISSING}")
+needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=MOONCAKE_MISSING or "")
 
 
 def _is_free(port: int) -> bool:
@@ -278,6 +301,63 @@ class S3Server:
             aws_secret_access_key="testing-secret-value",
         )
         client.create_bucket(Bucket=name)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+def wait_for_port(port: int, what: str, deadline_s: float = 30.0) -> None:
+    """Block until something accepts TCP connections on loopback `port` (a fixture's start-up)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"{what} on port {port} did not come up")
+
+
+class MooncakeMaster:
+    """One `mooncake_master` process on loopback: its RPC port (`address`, what a tier's
+    "master" names) and its admin HTTP server (`admin_url`: /get_all_keys, /query_key...).
+    Clients use P2PHANDSHAKE metadata. `stop()` kills it; `start()` brings it back on the
+    same ports, empty."""
+
+    def __init__(self, client_ttl_s: int = 10) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.client_ttl_s = client_ttl_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def start(self) -> None:
+        assert MOONCAKE_MASTER is not None
+        self.process = subprocess.Popen(
+            [
+                MOONCAKE_MASTER,
+                f"--rpc_port={self.port}",
+                "--rpc_address=127.0.0.1",
+                f"--metrics_port={self.admin_port}",
+                "--metrics_host=127.0.0.1",
+                f"--client_ttl={self.client_ttl_s}",
+                "--rpc_thread_num=2",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, "mooncake_master")
+        wait_for_port(self.admin_port, "mooncake_master's admin server")
 
     def stop(self) -> None:
         if self.process is not None:
