@@ -1,7 +1,9 @@
 """MooncakeTier against a real `mooncake_master` on loopback (P2PHANDSHAKE metadata, TCP).
 
-Mooncake's client takes ~1 s to close, so the contract kit runs on one event loop here (every
-Mooncake call runs on a worker thread: the loop's kind does not reach it).
+A Mooncake client takes 1-2.5 s to close: the tests' tiers share one the module keeps open
+(`kept_client`), as tiers of one process with the same options do, and the contract kit runs on
+one event loop here (every Mooncake call runs on a worker thread: the loop's kind does not
+reach it).
 """
 
 from __future__ import annotations
@@ -22,20 +24,33 @@ from child_env import child_env
 
 import kvtier_async as kt
 from kvtier_async.testing import TierContractTests, make_key
+from kvtier_async.tiers import mooncake_clients
 
 TESTS = Path(__file__).parent
 SPEC = mooncake_process.SPEC
 
 
+SEGMENT_BYTES = 64 << 20
+
+
 def config(master: servers.MooncakeMaster | str, **kwargs: Any) -> dict[str, Any]:
-    # Every test its own names in the shared pool; each tier gives the pool 64 MiB.
+    # Every test its own names in the shared pool; this process gives the pool 64 MiB.
     return {
         "type": "mooncake",
         "master": master if isinstance(master, str) else master.address,
-        "segment_bytes": 64 << 20,
+        "segment_bytes": SEGMENT_BYTES,
         "prefix": f"test-{uuid.uuid4().hex[:12]}",
         **kwargs,
     }
+
+
+@pytest.fixture(scope="module")
+def kept_client(mooncake_master: servers.MooncakeMaster) -> Iterator[None]:
+    """The client the tiers of `config(mooncake_master)` share, kept open for the module."""
+    with mooncake_clients.held(
+        mooncake_clients.ClientOptions(master=mooncake_master.address, segment_bytes=SEGMENT_BYTES)
+    ):
+        yield
 
 
 @pytest.mark.one_loop
@@ -43,7 +58,7 @@ class TestMooncakeTier(TierContractTests):
     capacity_kwarg = None  # the master evicts by its own watermarks
 
     @pytest.fixture
-    def tier_config(self, mooncake_master: servers.MooncakeMaster) -> dict[str, Any]:
+    def tier_config(self, mooncake_master: servers.MooncakeMaster, kept_client: None) -> dict[str, Any]:
         return config(mooncake_master)
 
 
@@ -52,7 +67,9 @@ class TestMooncakeTierSealed(TierContractTests):
     capacity_kwarg = None
 
     @pytest.fixture
-    def tier_config(self, mooncake_master: servers.MooncakeMaster, tier_secret_env: str) -> dict[str, Any]:
+    def tier_config(
+        self, mooncake_master: servers.MooncakeMaster, kept_client: None, tier_secret_env: str
+    ) -> dict[str, Any]:
         return config(mooncake_master, secret_env=tier_secret_env)
 
 
@@ -107,7 +124,7 @@ def raw_client(master: servers.MooncakeMaster) -> Any:
 @pytest.mark.asyncio
 @pytest.mark.one_loop
 async def test_a_value_overwritten_with_other_bytes_is_a_counted_miss_then_stored_again(
-    mooncake_master: servers.MooncakeMaster,
+    mooncake_master: servers.MooncakeMaster, kept_client: None
 ) -> None:
     tier, primary = make(config(mooncake_master))
     async with tier:
@@ -132,7 +149,9 @@ async def test_a_value_overwritten_with_other_bytes_is_a_counted_miss_then_store
 
 @pytest.mark.asyncio
 @pytest.mark.one_loop
-async def test_a_value_of_another_length_is_a_counted_miss(mooncake_master: servers.MooncakeMaster) -> None:
+async def test_a_value_of_another_length_is_a_counted_miss(
+    mooncake_master: servers.MooncakeMaster, kept_client: None
+) -> None:
     tier, _ = make(config(mooncake_master))
     async with tier:
         await tier.open()  # its segment is where the pool has room
@@ -151,8 +170,21 @@ async def test_a_value_of_another_length_is_a_counted_miss(mooncake_master: serv
 
 
 @pytest.fixture
-def storing_process(mooncake_master: servers.MooncakeMaster, tier_secret_env: str) -> Iterator[Any]:
-    """Another process that stored 8 sealed blocks through its own tier and keeps its segment."""
+def own_master() -> Iterator[servers.MooncakeMaster]:
+    """A master of the test's own: no segment but those the test makes."""
+    if servers.MOONCAKE_MISSING is not None:
+        pytest.skip(servers.MOONCAKE_MISSING)
+    master = servers.MooncakeMaster()
+    master.start()
+    yield master
+    master.stop()
+
+
+@pytest.fixture
+def storing_process(own_master: servers.MooncakeMaster, tier_secret_env: str) -> Iterator[Any]:
+    """Another process that stored 8 sealed blocks through its own tier and keeps its segment,
+    the only one in the pool."""
+    mooncake_master = own_master
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     process = subprocess.Popen(
         [
@@ -182,8 +214,9 @@ def storing_process(mooncake_master: servers.MooncakeMaster, tier_secret_env: st
 @pytest.mark.asyncio
 @pytest.mark.one_loop
 async def test_blocks_another_process_stored_load_byte_exact_and_go_when_it_exits(
-    mooncake_master: servers.MooncakeMaster, storing_process: Any, tier_secret_env: str
+    own_master: servers.MooncakeMaster, storing_process: Any, tier_secret_env: str
 ) -> None:
+    mooncake_master = own_master
     keys = [make_key(i) for i in range(8)]
     # This process gives the pool nothing: what it reads lies in the other one's segment.
     tier, primary = make(
@@ -227,3 +260,23 @@ async def test_master_stopped_is_a_counted_fault() -> None:
             assert stats["errors"] == 1 and stats["load_misses"] == 1
     finally:
         await asyncio.to_thread(master.stop)
+
+
+@pytest.mark.asyncio
+@pytest.mark.one_loop
+async def test_tiers_with_the_same_options_share_a_client_and_close_apart(
+    mooncake_master: servers.MooncakeMaster, kept_client: None
+) -> None:
+    first, primary = make(config(mooncake_master))
+    second, other = make(config(mooncake_master))
+    async with second:
+        async with first:
+            primary.slot_view(0)[:] = mooncake_process.block(0)
+            assert await first.store([make_key(0)], [0]) == [True]
+            await second.open()
+            assert second._client is first._client  # type: ignore[attr-defined]
+        # The first closed (its memory unregistered): the second still moves blocks.
+        other.slot_view(0)[:] = mooncake_process.block(1)
+        assert await second.store([make_key(1)], [0]) == [True]
+        assert await second.load([make_key(1)], [1]) == [True]
+        assert bytes(other.slot_view(1)) == mooncake_process.block(1)

@@ -20,6 +20,8 @@ What Mooncake 0.3.13 does, and what we do about it (measured here; docs/tiers/mo
   the master (and to an HTTP metadata server) first, bounded by `timeout_s`, and calls `setup`
   only once that succeeded; the error names the address.
 - Every client call blocks: each runs on the scheduler's worker threads, never the loop.
+- Closing a client holds the GIL for 1-2.5 s, and each client mounts a segment of its own: the
+  tiers of a process with the same options share one client (`mooncake_clients`).
 - A read's size is never trusted: a value larger than our buffers is refused by the client
   (-600), a shorter one fails the transfer or returns its own size, checked.
 - `put` of a name that exists keeps the old value. A load that finds a value that fails its
@@ -52,6 +54,7 @@ from ..secret import load_tier_secret
 from ..slot_pool import SlotPool, for_batches_in_flight
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
+from . import mooncake_clients as clients
 
 __all__ = ["MooncakeTier"]
 
@@ -63,9 +66,6 @@ RPC_FAILED = -900
 #: With a secret, sealed values are built and read in a registered pool of at most this many
 #: bytes (and of one batch of values at least).
 SEALED_POOL_BYTES = 64 << 20
-
-#: The client's own transfer buffer, for calls on unregistered memory, which the tier never makes.
-LOCAL_BUFFER_BYTES = 16 << 20
 
 
 def _host_port(what: str, value: object) -> tuple[str, int]:
@@ -87,24 +87,12 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _import_store() -> Any:
-    """The Mooncake Store client module (blocking: a first import loads shared libraries)."""
-    try:
-        from mooncake import store
-    except ImportError as exc:
-        raise ConfigError(
-            "mooncake tier: the Mooncake client cannot be imported "
-            "(pip install mooncake-transfer-engine-non-cuda, or mooncake-transfer-engine with CUDA; "
-            f"it needs libibverbs1): {exc}"
-        ) from None
-    return store
-
-
 class MooncakeTier(SecondaryTierManager):
     """Blocks as objects in a Mooncake Store pool, reached through the master at `master`.
 
     `segment_bytes` is the memory this process gives the pool (0: it stores into others'
-    segments only); objects stored in it are lost when this tier closes. `replicas` copies of
+    segments only); objects stored in it are lost when the client closes, with the last tier
+    of this process using it (`mooncake_clients`). `replicas` copies of
     each block are placed (fewer when the pool has fewer segments). `metadata` is
     "P2PHANDSHAKE" or the transfer engine's HTTP metadata server URL; `local_hostname` is the
     address other clients reach this one at (needed unless the master is on loopback).
@@ -193,6 +181,15 @@ class MooncakeTier(SecondaryTierManager):
         self.codec = make_block_codec(offloading_spec.namespace, tier_secret)
         self.value_nbytes = self.codec.value_nbytes(self.block_nbytes)
         self._name_prefix = f"{prefix}:{self.codec.namespace_tag.hex()}:"
+        self._options = clients.ClientOptions(
+            master=master,
+            segment_bytes=segment_bytes,
+            metadata=metadata,
+            protocol=protocol,
+            device=device,
+            local_hostname=local_hostname,
+        )
+        self._shared: clients.SharedClient | None = None
         self._client: Any = None
         self._put_config: Any = None
         #: Registered memory values are staged in: headers (plain) or sealed values (a secret).
@@ -208,42 +205,31 @@ class MooncakeTier(SecondaryTierManager):
         await self._probe("master", self._master_host, self._master_port)
         if self._metadata_probe is not None:
             await self._probe("metadata server", *self._metadata_probe)
-        store = await self.run_blocking(_import_store)
+        store = await self.run_blocking(clients.import_store)
         if self.codec.sealed:
             staging = for_batches_in_flight(self.offloading_spec.limits, self.value_nbytes, SEALED_POOL_BYTES)
         else:
             staging = for_batches_in_flight(self.offloading_spec.limits, HEADER_BYTES, 1 << 30)
         await self.run_blocking(staging.populate)
-        client = store.MooncakeDistributedStore()
-        rc = await self.run_blocking(
-            client.setup,
-            self.local_hostname,
-            self.metadata,
-            self.segment_bytes,
-            LOCAL_BUFFER_BYTES,
-            self.protocol,
-            self._device,
-            self.master,
-        )
-        if rc != 0:
-            raise ConnectionError(
-                f"mooncake tier: setup with the master at {self.master} (metadata {self.metadata}, "
-                f"{self.protocol}) failed: {rc}"
-            )
+        shared = await self.run_blocking(clients.acquire, self._options)
+        memory = [(address_of(view), view.nbytes) for view in (self.primary_kv_view, staging.view)]
+        registered: list[tuple[int, int]] = []
         try:
-            for what, view in (
-                ("the primary memory", self.primary_kv_view),
-                ("its staging pool", staging.view),
-            ):
-                rc = await self.run_blocking(client.register_buffer, address_of(view), view.nbytes)
-                if rc != 0:
-                    raise ConnectionError(f"mooncake tier: registering {what} with the client failed: {rc}")
+            for address, nbytes in memory:
+                await self.run_blocking(shared.register, address, nbytes)
+                registered.append((address, nbytes))
         except BaseException:
-            await self.run_blocking(client.close)
+            await self.run_blocking(self._let_go, shared, registered)
             raise
         config = store.ReplicateConfig()
         config.replica_num = self.replicas
-        self._client, self._put_config, self._staging = client, config, staging
+        self._shared, self._client, self._put_config, self._staging = shared, shared.client, config, staging
+
+    def _let_go(self, shared: clients.SharedClient, registered: list[tuple[int, int]]) -> None:
+        """Unregister our memory and release the client (blocking: the last user closes it)."""
+        for address, nbytes in registered:
+            shared.unregister(address, nbytes)
+        clients.release(self._options)
 
     async def _probe(self, what: str, host: str, port: int) -> None:
         try:
@@ -259,10 +245,10 @@ class MooncakeTier(SecondaryTierManager):
             await writer.wait_closed()
 
     async def close_backend(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            # Objects in this client's segment go with it.
-            await self.run_blocking(client.close)
+        if self._shared is not None and self._staging is not None:
+            shared, self._shared, self._client = self._shared, None, None
+            memory = [(address_of(view), view.nbytes) for view in (self.primary_kv_view, self._staging.view)]
+            await self.run_blocking(self._let_go, shared, memory)
 
     # -- the hooks -----------------------------------------------------------------------------
     async def write_blocks(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
