@@ -309,3 +309,8 @@ def test_run_all_describes_the_machine() -> None:
     recorders |= {"sglang_backend", "lmcache_l2", "fs_staging", "tier_secret", "replay"}
     recorders |= {"eviction_policies", "secret_threads", "redis_sealed_pool"}
     assert set(run_all.RECORDERS) == recorders
+
+
+@servers.needs_mooncake
+def test_mooncake_tier_bench_runs() -> None:
+    bench("mooncake_tier.py", "--block-kib", "64", "--mib", "1", "--rounds", "2")
