@@ -493,3 +493,19 @@ def test_a_tier_secret_reaches_the_tier_through_lmcaches_config(
     finally:
         again.close()
         plain.close()
+
+
+def test_a_fleet_shares_chunks_through_a_mooncake_pool(request: pytest.FixtureRequest) -> None:
+    master = request.getfixturevalue("mooncake_master")
+    tier = {"type": "mooncake", "master": master.address, "segment_bytes": 64 << 20, "prefix": "lmcache-test"}
+    a, b = build(tier), build(tier)
+    try:
+        keys, objects = [key(i, model="mooncake") for i in range(5)], [chunk(seed=80 + i) for i in range(5)]
+        assert store(a, keys, objects).is_successful()
+        assert lookup(b, keys) == [True] * 5
+        targets = [chunk() for _ in keys]
+        assert load(b, keys, targets) == [True] * 5
+        assert all(same(x, y) for x, y in zip(objects, targets))
+    finally:
+        a.close()
+        b.close()

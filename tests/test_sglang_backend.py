@@ -521,3 +521,19 @@ def test_a_tier_secret_reaches_the_tier_through_sglangs_config(
     finally:
         second.close()
         plain.close()
+
+
+def test_a_fleet_shares_pages_through_a_mooncake_pool(request: pytest.FixtureRequest) -> None:
+    master = request.getfixturevalue("mooncake_master")
+    tier = {"type": "mooncake", "master": master.address, "segment_bytes": 64 << 20, "prefix": "sglang-test"}
+    pool_a, pool_b = mha_pool("page_first"), mha_pool("page_first")
+    a, b = build(tier, pool_a), build(tier, pool_b)  # two servers of a fleet (one process: one client)
+    try:
+        names = keys(6, "m")
+        assert a.batch_set_v1(names, slots(pool_a, list(range(6)))) == [True] * 6
+        assert b.batch_exists(names) == 6
+        assert b.batch_get_v1(names, slots(pool_b, list(range(10, 16)))) == [True] * 6
+        assert [page_bytes(pool_b, p) for p in range(10, 16)] == [page_bytes(pool_a, p) for p in range(6)]
+    finally:
+        a.close()
+        b.close()

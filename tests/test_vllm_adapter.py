@@ -430,3 +430,17 @@ def test_shutdown_with_a_store_stuck_cancels_it_and_still_unmaps(monkeypatch: py
     with pytest.raises(kt.ClosedError):
         adapter.lookup(chunk_keys(11, 1)[0], ctx)
     adapter.shutdown()  # twice is harmless
+
+
+def test_a_mooncake_tier_through_vllm_is_byte_exact(mooncake_master: servers.MooncakeMaster) -> None:
+    tier = {"type": "mooncake", "master": mooncake_master.address, "segment_bytes": 64 << 20}
+    engine = Engine(make_manager(ours({**tier, "prefix": f"test-{uuid.uuid4().hex[:12]}"})))
+    keys = chunk_keys(12, 8)
+    payloads = random_rows(keys, engine.row_bytes, seed=12)
+    engine.offload(payloads)
+    engine.reset_cache()  # the primary tier is empty now: the blocks come from the pool
+    ctx = engine.new_request()
+    assert engine.lookup_until_settled(ctx, keys)[-1] == [HIT] * 8
+    assert engine.load(ctx, keys) == payloads
+    engine.finish(ctx)
+    assert engine.shutdown() == []
