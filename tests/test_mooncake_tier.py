@@ -243,7 +243,7 @@ async def test_blocks_another_process_stored_load_byte_exact_and_go_when_it_exit
 
 @pytest.mark.asyncio
 @pytest.mark.one_loop
-async def test_master_stopped_is_a_counted_fault() -> None:
+async def test_master_stopped_is_a_counted_fault_and_the_tier_comes_back_with_it() -> None:
     if servers.MOONCAKE_MISSING is not None:
         pytest.skip(servers.MOONCAKE_MISSING)
     master = servers.MooncakeMaster()
@@ -258,6 +258,17 @@ async def test_master_stopped_is_a_counted_fault() -> None:
             assert await tier.load([make_key(0)], [1]) == [False]
             stats = tier.stats()
             assert stats["errors"] == 1 and stats["load_misses"] == 1
+
+            # A master back on its port knows nothing (what it placed is gone); the client mounts
+            # its segment again on its own, and the tier's next calls store and load again.
+            await asyncio.to_thread(master.start)
+            deadline = asyncio.get_running_loop().time() + 30
+            while await tier.store([make_key(1)], [0]) != [True]:
+                assert asyncio.get_running_loop().time() < deadline, tier.stats()
+                await asyncio.sleep(0.2)  # Mooncake's own remount: nothing to wait on but the outcome
+            got = await tier.load([make_key(0), make_key(1)], [1, 2])
+            assert got == [False, True], tier.stats()
+            assert bytes(primary.slot_view(2)) == mooncake_process.block(0)
     finally:
         await asyncio.to_thread(master.stop)
 
