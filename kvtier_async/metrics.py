@@ -58,6 +58,10 @@ TIER_COUNTERS = (
     "unauthenticated_blocks",
     "evictions",
     "writes_refused",
+    # the Mooncake tier's: transfers that failed, names not held, bad values it removed
+    "read_failures",
+    "absent_blocks",
+    "bad_values_removed",
 )
 CACHE_COUNTERS = (
     "lookup_calls",

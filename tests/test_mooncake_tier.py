@@ -21,8 +21,10 @@ import mooncake_process
 import pytest
 import servers
 from child_env import child_env
+from prometheus_client import CollectorRegistry
 
 import kvtier_async as kt
+from kvtier_async.metrics import watch
 from kvtier_async.testing import TierContractTests, make_key
 from kvtier_async.tiers import mooncake_clients
 
@@ -138,9 +140,14 @@ async def test_a_value_overwritten_with_other_bytes_is_a_counted_miss_then_store
             assert await asyncio.to_thread(client.put, name, other) == 0
         finally:
             await asyncio.to_thread(client.close)
+        registry = CollectorRegistry()
+        watch(tier, registry)
         assert await tier.load([make_key(0)], [1]) == [False]
         stats = tier.stats()
         assert stats["corrupt_blocks"] == 1 and stats["bad_values_removed"] == 1
+        labels = {"tier": tier.name, "type": "mooncake", "namespace": SPEC.namespace}
+        assert registry.get_sample_value("kvtier_tier_corrupt_blocks_total", labels) == 1
+        assert registry.get_sample_value("kvtier_tier_bad_values_removed_total", labels) == 1
         # Mooncake keeps the value a name holds: the tier removed the bad one, so this writes.
         assert await tier.store([make_key(0)], [0]) == [True]
         assert await tier.load([make_key(0)], [1]) == [True]
