@@ -80,7 +80,7 @@ class BenchConfig:
 
 
 #: Tier types that take a secret; the environment variable the benchmark's fresh secret is in.
-SEALABLE = ("fs", "redis", "s3")
+SEALABLE = ("fs", "redis", "s3", "mooncake")
 BENCH_SECRET_ENV = "KVTIER_BENCH_SECRET"
 
 

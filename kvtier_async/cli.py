@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-secret",
         action="store_true",
-        help="skip the 'with a secret' column (fs, redis and s3 tiers measured sealed as well)",
+        help="skip the 'with a secret' column (fs, redis, s3 and mooncake tiers measured sealed as well)",
     )
     bench.add_argument("--no-progress", action="store_true")
     replay = commands.add_parser(

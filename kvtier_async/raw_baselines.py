@@ -30,11 +30,12 @@ async def baseline(
     limits = spec.limits
     groups = [list(range(i, min(i + request_blocks, blocks))) for i in range(0, blocks, request_blocks)]
     kind = config["type"]
-    if kind not in ("fs", "memory", "redis", "s3"):
+    if kind not in ("fs", "memory", "redis", "s3", "mooncake"):
         return None
     # Each block its own random bytes, in the same kind of memory as a primary tier's, as the
     # tier sends them: not one block sent again and again, whose bytes stay in the CPU's cache.
-    values = await asyncio.to_thread(_random_blocks, block_nbytes, blocks) if kind in ("redis", "s3") else []
+    remote = ("redis", "s3", "mooncake")
+    values = await asyncio.to_thread(_random_blocks, block_nbytes, blocks) if kind in remote else []
     with LoopLag() as lag:  # the same ticker as the tier's: what the raw client costs the loop
         if kind == "fs":
             what, store_s, store_lat, load_s, load_lat = await _raw_files(work, spec, groups, lag)
@@ -42,8 +43,12 @@ async def baseline(
             what, store_s, store_lat, load_s, load_lat = await _raw_memory(spec, groups, lag)
         elif kind == "redis":
             what, store_s, store_lat, load_s, load_lat = await _raw_redis(config, values, groups, limits, lag)
-        else:
+        elif kind == "s3":
             what, store_s, store_lat, load_s, load_lat = await _raw_s3(config, values, groups, limits, lag)
+        else:
+            what, store_s, store_lat, load_s, load_lat = await _raw_mooncake(
+                config, values, groups, limits, lag
+            )
     nbytes = blocks * block_nbytes
     return {
         "what": what,
@@ -51,6 +56,12 @@ async def baseline(
         "load": rates(nbytes, blocks, load_s, load_lat),
         "loop_lag": lag.summary(),
     }
+
+
+def _faulted_in(nbytes: int) -> memoryview:
+    memory = memoryview(reserve_host_memory(nbytes))
+    memory[:] = bytes(nbytes)
+    return memory
 
 
 def _random_blocks(block_nbytes: int, blocks: int) -> list[memoryview]:
@@ -208,6 +219,83 @@ async def _raw_s3(
     with lag.paused():
         await obstore.delete_async(store, [prefix + str(i) for g in groups for i in g])
     return "obstore PUT/GET (one PUT per block)", store_s, store_lat, load_s, load_lat
+
+
+async def _raw_mooncake(
+    config: dict[str, Any], values: list[memoryview], groups: list[list[int]], limits: Any, lag: LoopLag
+) -> tuple[Any, ...]:
+    from .buffers import address_of
+    from .tiers.mooncake_clients import LOCAL_BUFFER_BYTES, import_store
+
+    # Mooncake's setup() against a closed port holds the GIL for ~90 s: reach the master first.
+    host, _, port = config["master"].rpartition(":")
+    _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 5)
+    writer.close()
+    store = await asyncio.to_thread(import_store)
+    client = store.MooncakeDistributedStore()
+    rc = await asyncio.to_thread(
+        client.setup,
+        config.get("local_hostname") or "127.0.0.1",
+        config.get("metadata", "P2PHANDSHAKE"),
+        config["segment_bytes"],
+        LOCAL_BUFFER_BYTES,
+        config.get("protocol", "tcp"),
+        config.get("device", ""),
+        config["master"],
+    )
+    if rc != 0:
+        raise ConnectionError(f"raw Mooncake client: setup failed ({rc})")
+    nbytes = sum(v.nbytes for v in values)
+    source = values[0]  # one region (`_random_blocks`): registered whole, as the tier's primary memory
+    landing = await asyncio.to_thread(_faulted_in, nbytes)  # as a tier's primary memory is
+    for region, size in ((source, nbytes), (landing, nbytes)):
+        await asyncio.to_thread(client.register_buffer, address_of(region), size)
+    size = values[0].nbytes
+    prefix = f"kvtier-bench-raw:{os.getpid()}:{time.monotonic_ns()}:"
+    put_config = store.ReplicateConfig()
+    put_config.replica_num = config.get("replicas", 1)
+    threads = ThreadPoolExecutor(max(limits.max_inflight_stores, limits.max_inflight_loads))
+    loop = asyncio.get_running_loop()
+
+    def put(group: list[int]) -> None:
+        codes = client.batch_put_from(
+            [prefix + str(i) for i in group],
+            [address_of(values[i]) for i in group],
+            [size] * len(group),
+            put_config,
+        )
+        if any(codes):
+            raise RuntimeError(f"raw Mooncake put failed: {codes}")
+
+    def get(group: list[int]) -> None:
+        targets = [address_of(landing) + i * size for i in group]
+        codes = client.batch_get_into([prefix + str(i) for i in group], targets, [size] * len(group))
+        if any(code != size for code in codes):
+            raise RuntimeError(f"raw Mooncake get failed: {codes}")
+
+    def on_thread(fn: Callable[[list[int]], None], group: list[int]) -> Awaitable[None]:
+        return loop.run_in_executor(threads, fn, group)
+
+    try:
+        store_s, store_lat = await timed_requests(
+            [partial(on_thread, put, g) for g in groups], limits.max_inflight_stores
+        )
+        load_s, load_lat = await timed_requests(
+            [partial(on_thread, get, g) for g in groups], limits.max_inflight_loads
+        )
+        with lag.paused():
+            await asyncio.to_thread(client.batch_remove, [prefix + str(i) for g in groups for i in g], True)
+    finally:
+        threads.shutdown(wait=False)
+        with lag.paused():
+            await asyncio.to_thread(client.close)
+    return (
+        "Mooncake batch_put_from / batch_get_into (registered memory)",
+        store_s,
+        store_lat,
+        load_s,
+        load_lat,
+    )
 
 
 # -- the pipeline ---------------------------------------------------------------------------------

@@ -298,3 +298,15 @@ async def test_tiers_with_the_same_options_share_a_client_and_close_apart(
         assert await second.store([make_key(1)], [0]) == [True]
         assert await second.load([make_key(1)], [1]) == [True]
         assert bytes(other.slot_view(1)) == mooncake_process.block(1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.one_loop
+async def test_the_raw_baseline_of_kvtier_bench_moves_blocks_off_the_loop(
+    mooncake_master: servers.MooncakeMaster,
+) -> None:
+    from kvtier_async.raw_baselines import baseline
+
+    tier = {"type": "mooncake", "master": mooncake_master.address, "segment_bytes": 16 << 20}
+    out = await baseline(tier, 64 << 10, 16, 4, Path("unused"))
+    assert out["store"]["gbps"] > 0 and out["load"]["gbps"] > 0
