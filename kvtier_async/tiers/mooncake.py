@@ -33,8 +33,8 @@ What Mooncake 0.3.13 does, and what we do about it (measured here; docs/tiers/mo
   There is no byte capacity per client: `capacity_bytes` is refused.
 - Every `get` takes a lease (10 s by default) during which a plain `remove` fails: `delete`
   forces removal. A reader whose object is removed mid-read gets bytes that fail their checks.
-- The master down: each call fails after ~4 s with an RPC error; the tier counts it as a fault
-  and its fault breaker then fails calls at once for a while.
+- The master down: each call fails at once or after up to ~4 s of retries, with an RPC error;
+  the tier counts it as a fault and its fault breaker then fails calls at once for a while.
 """
 
 from __future__ import annotations
