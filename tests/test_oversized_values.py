@@ -5,8 +5,12 @@ server (both of the tier's read paths) and a real S3 server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import os
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +108,66 @@ async def test_s3_object_of_64_mib_is_a_bounded_miss(
         assert tier.stats()["load_misses"] == 1
         assert tier.stats()["corrupt_blocks"] == 1
     assert growth <= BLOCK + (4 << 20), f"reading a foreign {HUGE >> 20} MiB object grew the peak by {growth}"
+
+
+class _HostileS3Handler(http.server.BaseHTTPRequestHandler):
+    """Answers every GET as a ranged GET of an object of `claimed` bytes should be answered
+    (206, the right Content-Range), then sends `sent` bytes of body: a hostile endpoint, or a
+    man in the middle, that only a bounded read survives."""
+
+    protocol_version = "HTTP/1.1"
+    claimed = 0
+    sent = 0
+
+    def do_GET(self) -> None:
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes 0-{self.claimed - 1}/{self.claimed}")
+        self.send_header("Content-Length", str(self.sent))
+        self.send_header("ETag", '"hostile"')
+        self.send_header("Last-Modified", "Mon, 07 Dec 2026 12:00:00 GMT")
+        self.end_headers()
+        piece = bytes(1 << 20)
+        with contextlib.suppress(OSError):  # the client hanging up is the outcome we want
+            for _ in range(self.sent >> 20):
+                self.wfile.write(piece)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def hostile_s3() -> Iterator[type[_HostileS3Handler]]:
+    handler = type("Handler", (_HostileS3Handler,), {})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    handler.endpoint = f"http://127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
+    yield handler
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.mark.asyncio
+async def test_s3_endpoint_sending_a_huge_body_for_a_right_content_range_is_a_bounded_miss(
+    hostile_s3: type[_HostileS3Handler], spec: kt.OffloadingSpec
+) -> None:
+    # The attack: a ranged GET answered with the right Content-Range and a 512 MiB body.
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    config = {
+        "type": "s3",
+        "bucket": servers.S3_BUCKET,
+        "endpoint": hostile_s3.endpoint,  # type: ignore[attr-defined]
+        "allow_http": True,
+        "max_retries": 0,
+        **servers.S3_CREDENTIALS,
+    }
+    async with kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec) as tier:
+        assert isinstance(tier, kvtier_async.tiers.object_store.ObjectStoreTier)
+        hostile_s3.claimed = tier.value_nbytes
+        hostile_s3.sent = 512 << 20
+        await tier.open()
+        growth = await peak_growth_of(tier.load([make_key(1)], [0]))
+        assert tier.stats()["load_misses"] == 1
+    assert growth < BLOCK + (64 << 20), f"a hostile endpoint's 512 MiB body grew the peak by {growth}"

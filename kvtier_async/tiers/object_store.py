@@ -9,6 +9,10 @@ PUT / GET / HEAD requests, at most `max_requests` of the tier's at the server at
 its backlog, and a large one throttles). A store does not ask first which blocks the bucket
 holds. Each block's value is copied and checksummed between its own requests, with the GIL
 released (`buffers`), on a worker thread past 1 MiB (`run_cpu`).
+A load reads no more than a value can be: a ranged GET of one byte more than our values hold,
+the size the server claims for it (`Content-Range`) checked before any of the body is read,
+and the body read as a stream that stops one byte past a value (`READ_PIECE_BYTES` at a time),
+whatever length the server announces or sends.
 obstore retries with exponential backoff (throttling answers such as 503 SlowDown too), and
 both the retries and a hard bound on each request, its wait for a place included, stay within
 `timeout_s`: a KV load must not wait minutes. A store that is down or slow makes stores return
@@ -43,6 +47,11 @@ T = TypeVar("T")
 # that cost storage until a lifecycle rule removes them. One PUT is atomic and leaves nothing
 # behind. (Against moto, 16 x 8 MiB at 8 at once: 0.34 GB/s in one PUT each, 0.15 GB/s multipart.)
 MAX_SINGLE_PUT = 5 << 30
+
+#: A value is read as pieces of about this many bytes (obstore turns each into a `bytes` with the
+#: GIL held, so a piece is also the longest the event loop waits for one), and reading stops
+#: once the pieces hold more than a value: a server that sends more is read no further.
+READ_PIECE_BYTES = 1 << 20
 
 
 def _optional_str(name: str, value: object) -> None:
@@ -260,8 +269,10 @@ class ObjectStoreTier(SecondaryTierManager):
         return ok
 
     async def _get(self, key: bytes) -> Any:
-        """The object's bytes (None: absent; b"": not of our values' length, left unread). A
-        ranged GET: a byte more than our values hold at most, whatever the bucket holds."""
+        """The object's bytes as consecutive pieces (None: absent; b"": not of our values'
+        length, read no further). A ranged GET of a byte more than our values hold, whatever
+        the bucket holds; the size the server claims checked first, then the body read a piece
+        at a time, and no further once it is longer than a value, whatever the server sends."""
         import obstore
         from obstore.exceptions import NotFoundError
 
@@ -269,9 +280,15 @@ class ObjectStoreTier(SecondaryTierManager):
             result = await obstore.get_async(
                 self._store, self.object_name(key), options={"range": (0, self.value_nbytes + 1)}
             )
-            if result.meta["size"] != self.value_nbytes:
+            if result.meta["size"] != self.value_nbytes or tuple(result.range) != (0, self.value_nbytes):
                 return b""
-            return await result.bytes_async()
+            pieces, received = [], 0
+            async for piece in result.stream(min_chunk_size=min(READ_PIECE_BYTES, self.value_nbytes + 1)):
+                pieces.append(piece)
+                received += len(piece)
+                if received > self.value_nbytes:
+                    return b""  # more than it claimed: the rest is never read
+            return pieces if received == self.value_nbytes else b""
         except (NotFoundError, FileNotFoundError):
             return None
 
