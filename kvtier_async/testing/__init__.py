@@ -11,5 +11,6 @@ import pytest
 pytest.register_assert_rewrite("kvtier_async.testing.contract", "kvtier_async.testing.blocks_by_view")
 
 from .contract import TierContractTests, make_key  # noqa: E402  (after the registration)
+from .loop_hold import LoopHold  # noqa: E402
 
-__all__ = ["TierContractTests", "make_key"]
+__all__ = ["LoopHold", "TierContractTests", "make_key"]

@@ -34,6 +34,7 @@ from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from .blocks_by_view import BlocksByViewTests
 from .keys import make_key
+from .loop_hold import LoopHold
 
 __all__ = ["TierContractTests", "make_key"]
 
@@ -48,6 +49,13 @@ class TierContractTests(BlocksByViewTests):
     capacity_kwarg: ClassVar[str | None] = "capacity_bytes"
     #: Callers at once in `test_many_concurrent_callers`: what a serving frontend has in flight.
     concurrent_callers: ClassVar[int] = 256
+    #: `test_one_call_never_holds_the_loop`: a store and a load of this many blocks of this size,
+    #: one call each, and the most CPU time the event loop's thread may spend on them in one
+    #: stretch (`LoopHold`). A turn of the loop that copies or hashes a batch of MiB blocks takes
+    #: tens of milliseconds; a tier that leaves that work to threads stays under 3 ms.
+    loop_hold_blocks: ClassVar[int] = 64
+    loop_hold_block_nbytes: ClassVar[int] = 1 << 20
+    max_loop_hold_s: ClassVar[float] = 0.010
 
     def capacity_bytes_for(self, blocks: int, spec: OffloadingSpec) -> int:
         """A capacity that holds exactly `blocks` blocks."""
@@ -223,6 +231,37 @@ class TierContractTests(BlocksByViewTests):
         }
         assert failed == dict.fromkeys(failed, 0)
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+    @pytest.mark.asyncio
+    async def test_one_call_never_holds_the_loop(self, tier_config: dict[str, Any]) -> None:
+        """A store and a load of 64 blocks of 1 MiB, one call each: the event loop's thread never
+        computes for longer than `max_loop_hold_s` (its own CPU time, so a busy machine does not
+        move it) without coming back to the loop. The blocking-call detector sees a call that
+        waits on the loop, not one that keeps it busy: a long copy, a checksum, a join, or a
+        batch's blocks each copied in the same turn of the loop."""
+        n = self.loop_hold_blocks
+        spec = OffloadingSpec(
+            block_nbytes=self.loop_hold_block_nbytes, num_cpu_blocks=2 * n, namespace="contract-tests"
+        )
+        primary = PrimaryTier(spec, pin_memory=False)
+        keys = [make_key(i, b"loop-hold") for i in range(n)]
+        payloads = self.fill(primary, list(range(n)))
+        tier = SecondaryTierFactory.create_secondary_tier(tier_config, primary.view, spec)
+        async with tier:
+            # What a first call does once (imports, connections) is not what this measures.
+            assert await tier.store(keys[:1], [0]) == [True]
+            assert await tier.load(keys[:1], [n]) == [True]
+            with LoopHold() as store_hold:
+                stored = await tier.store(keys, list(range(n)))
+            with LoopHold() as load_hold:
+                loaded = await tier.load(keys, list(range(n, 2 * n)))
+            await tier.delete(keys)
+        assert stored == [True] * n and loaded == [True] * n
+        assert self.read(primary, list(range(n, 2 * n))) == payloads
+        held = {"store": store_hold.longest_s, "load": load_hold.longest_s}
+        assert max(held.values()) <= self.max_loop_hold_s, (
+            f"the loop's thread computed for {held} s (CPU) without coming back to the loop"
+        )
 
     @pytest.mark.asyncio
     async def test_capacity_is_respected(
