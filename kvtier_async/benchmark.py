@@ -279,6 +279,12 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
                 if sealed_runs:
                     case["with_secret"] = median_tree(sealed_runs)
                     case.update(secret_ratios(sealed_runs, measured_runs))
+                # Each round's lag, tier and raw client side by side: a stall that comes once a
+                # round is a round's max, which the medians above can hide.
+                case["loop_lag_rounds"] = [
+                    {"tier": m["loop_lag"], "raw": b["loop_lag"] if b is not None else None}
+                    for m, b in zip(measured_runs, baseline_runs, strict=True)
+                ]
                 cases.append(case)
             block = max(config.block_kib) * 1024
             blocks = max(16, config.mib_per_case * (1 << 20) // block)

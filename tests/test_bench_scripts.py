@@ -128,10 +128,16 @@ def test_contention_bench_runs(tmp_path: Path) -> None:
 @servers.needs_redis
 def test_remote_tiers_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "remote.json"
-    bench("remote_tiers.py", "--block-kib", "64", "--mib", "1", "--request-blocks", "4", "--json", out)
+    table = bench(
+        "remote_tiers.py", "--block-kib", "64", "--mib", "1", "--request-blocks", "4", "--json", out
+    )
     cases = {case["type"]: case for case in json.loads(out.read_text())["cases"]}
     assert cases["redis"]["exact"] and cases["s3"]["exact"]
     assert cases["redis"]["baseline"]["load"]["gbps"] > 0 and cases["s3"]["store_ratio"] > 0
+    # Each round's loop lag, the tier's beside the raw client's, in the record and the output.
+    [lags] = cases["s3"]["loop_lag_rounds"]
+    assert lags["tier"]["max_ms"] >= lags["tier"]["p99_ms"] and lags["raw"]["ticks"] > 0
+    assert "event-loop lag per round" in table and "s3#1          64 KiB     0 |" in table
 
 
 def test_sglang_backend_bench_runs(tmp_path: Path) -> None:
