@@ -28,6 +28,7 @@ from .scheduler import Lane, Priority
 from .single_flight import SingleFlight
 from .spec import OffloadingSpec
 from .tier_resource import TierResource
+from .turn_budget import TurnBudget
 
 __all__ = ["SecondaryTierManager"]
 
@@ -68,6 +69,8 @@ class SecondaryTierManager(TierResource):
         self._single_flight = SingleFlight()  # keys being written by a store in flight
         # Blocks per hook call. Resolved once: `spec.limits` builds its whole answer on every read.
         self._batch_blocks = offloading_spec.limits.batch_blocks
+        # Calls started together share a slice of a turn of the loop; the rest go on later.
+        self._turn = TurnBudget()
         #: Called on the event-loop thread with the keys this tier stopped holding (evicted,
         #: replaced or deleted), where the backend knows it; a shared tier's server may also
         #: drop keys without telling anyone.
@@ -132,6 +135,7 @@ class SecondaryTierManager(TierResource):
         is not written again (`stores_deduplicated`); a sharer gets the outcome
         of the write in flight.
         """
+        await self._turn.enter()
         keys, views = self._check_args(keys, block_ids)
         return await self._store_checked(keys, views)
 
@@ -140,6 +144,7 @@ class SecondaryTierManager(TierResource):
         `block_nbytes` bytes inside the primary memory, at a multiple of 4096 bytes from its
         start (`block_nbytes` must be a multiple of 4096 too). Nothing is copied on the way.
         """
+        await self._turn.enter()
         keys, views = self._check_views(keys, blocks, writable=False)
         return await self._store_checked(keys, views)
 
@@ -212,6 +217,7 @@ class SecondaryTierManager(TierResource):
         priority: Priority = Priority.LOAD,
     ) -> list[bool]:
         """Read `keys` into primary slots `block_ids`; True only where the exact bytes arrived."""
+        await self._turn.enter()
         keys, views = self._check_args(keys, block_ids)
         return await self._load_checked(keys, views, priority)
 
@@ -219,6 +225,7 @@ class SecondaryTierManager(TierResource):
         self, keys: Sequence[bytes], blocks: Sequence[Any], *, priority: Priority = Priority.LOAD
     ) -> list[bool]:
         """`load` into blocks given by their bytes, as `store_views` takes them (writable)."""
+        await self._turn.enter()
         keys, views = self._check_views(keys, blocks, writable=True)
         return await self._load_checked(keys, views, priority)
 
@@ -252,6 +259,7 @@ class SecondaryTierManager(TierResource):
         With `stop_at_miss`, batches after the first absent key are not asked
         about and read as absent.
         """
+        await self._turn.enter()
         check_keys(keys)
         self._check_not_closed()
         keys = list(keys)
