@@ -26,41 +26,13 @@ from typing import Any
 
 from common import run
 
-from kvtier_async.benchmark import BenchConfig, format_table, run_bench
+from kvtier_async.benchmark import BenchConfig, format_lag_rounds, format_table, run_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import servers  # the test suite's server helpers: one way to start them
 
 BUCKET = "kvtier-bench"
 CREDENTIALS = {"access_key_id": "testing-key", "secret_access_key": "testing-secret-value"}
-
-
-#: The event loop's lag a tier may add over its raw client's, in every round: its max at most
-#: max(LAG_FLOOR_MS, LAG_FACTOR x the raw client's max in that round).
-LAG_FLOOR_MS, LAG_FACTOR = 10.0, 1.5
-
-
-def lag_rounds_table(result: dict[str, Any]) -> str:
-    """Per case and round: the loop's lag p99 / max during the tier's store and load, beside the
-    raw client's, and whether the tier's max is within the goal."""
-    lines = [
-        f"event-loop lag per round, ms (goal: tier max <= max({LAG_FLOOR_MS:g}, {LAG_FACTOR:g}x raw max))",
-        f"{'tier':<10} {'block':>9} {'round':>5} | {'tier p99':>8} {'max':>7} | "
-        f"{'raw p99':>8} {'max':>7} | goal",
-    ]
-    for case in result["cases"]:
-        for n, lags in enumerate(case.get("loop_lag_rounds", [])):
-            tier, raw = lags["tier"], lags["raw"]
-            if raw is None:
-                raw_cells, met = f"{'n/a':>8} {'n/a':>7}", "n/a"
-            else:
-                raw_cells = f"{raw['p99_ms']:8.2f} {raw['max_ms']:7.2f}"
-                met = "yes" if tier["max_ms"] <= max(LAG_FLOOR_MS, LAG_FACTOR * raw["max_ms"]) else "NO"
-            lines.append(
-                f"{case['tier']:<10} {case['block_kib']:>5} KiB {n:>5} | "
-                f"{tier['p99_ms']:8.2f} {tier['max_ms']:7.2f} | {raw_cells} | {met}"
-            )
-    return "\n".join(lines)
 
 
 async def main() -> None:
@@ -116,7 +88,7 @@ async def main() -> None:
                 await asyncio.to_thread(server.stop)
     print(format_table(result))
     print()
-    print(lag_rounds_table(result))
+    print(format_lag_rounds(result))
     if args.json:
         args.json.write_text(json.dumps(result))
 

@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from common import TIER_AGAINST_BASELINE, median_bounds, round_ratios
 
-from kvtier_async.benchmark import format_table
+from kvtier_async.benchmark import format_lag_rounds, format_table
 from kvtier_async.sweep import sweep_figure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -403,8 +403,20 @@ def bench_section() -> list[str]:
 
 
 def bench_table(record: dict[str, Any]) -> list[str]:
-    """Where a `kvtier bench` record came from, then its table."""
-    return [provenance(record), "", "```", format_table(record["results"]), "```", ""]
+    """Where a `kvtier bench` record came from, then its table (and each round's loop lag,
+    where the record kept it)."""
+    table = format_table(record["results"])
+    if any("loop_lag_rounds" in case for case in record["results"]["cases"]):
+        table += "\n\n" + format_lag_rounds(record["results"])
+    return [provenance(record), "", "```", table, "```", ""]
+
+
+#: What the table of each round's loop lag is, where a record has one.
+ROUNDS_LAG_TEXT = [
+    "Under the table, each round's lag (p99 / max) during the tier's store and load, beside the",
+    "raw client's in the same round, against the goal: the tier's max at most 10 ms or 1.5",
+    "times the raw client's, whichever is more.",
+]
 
 
 def remote_section() -> list[str]:
@@ -437,6 +449,7 @@ def remote_section() -> list[str]:
         "the VM's host, which took back up to a quarter of the CPU time of some 8 MiB S3 rounds,",
         "the raw client's and the tier's alike: stolen time, in `/proc/stat`), and the rest, the",
         "loop busy with its own work or waiting for the GIL.",
+        *(ROUNDS_LAG_TEXT if any("loop_lag_rounds" in c for c in record["results"]["cases"]) else []),
         "",
         *bench_table(record),
     ]

@@ -58,7 +58,15 @@ from .spec import OffloadingSpec
 from .tier import SecondaryTierManager
 from .tiers.fs import FileSystemTier
 
-__all__ = ["BenchConfig", "format_table", "measure_tier", "run_bench", "save_plot", "secret_ratios"]
+__all__ = [
+    "BenchConfig",
+    "format_lag_rounds",
+    "format_table",
+    "measure_tier",
+    "run_bench",
+    "save_plot",
+    "secret_ratios",
+]
 
 LAYERS = 8  # the stand-in device memory of the pipeline measurement
 
@@ -417,6 +425,34 @@ def format_table(result: dict[str, Any]) -> str:
             f"to it without one: {how}"
         )
         lines += [f"  {line}" for line in _secret_bounds(result)]
+    return "\n".join(lines)
+
+
+#: The event loop's lag a tier may add over its raw client's, in every round: its max at most
+#: max(LAG_FLOOR_MS, LAG_FACTOR x the raw client's max in that round).
+LAG_FLOOR_MS, LAG_FACTOR = 10.0, 1.5
+
+
+def format_lag_rounds(result: dict[str, Any]) -> str:
+    """Per case and round: the loop's lag p99 / max during the tier's store and load, beside the
+    raw client's, and whether the tier's max is within the goal."""
+    lines = [
+        f"event-loop lag per round, ms (goal: tier max <= max({LAG_FLOOR_MS:g}, {LAG_FACTOR:g}x raw max))",
+        f"{'tier':<10} {'block':>9} {'round':>5} | {'tier p99':>8} {'max':>7} | "
+        f"{'raw p99':>8} {'max':>7} | goal",
+    ]
+    for case in result["cases"]:
+        for n, lags in enumerate(case.get("loop_lag_rounds", [])):
+            tier, raw = lags["tier"], lags["raw"]
+            if raw is None:
+                raw_cells, met = f"{'n/a':>8} {'n/a':>7}", "n/a"
+            else:
+                raw_cells = f"{raw['p99_ms']:8.2f} {raw['max_ms']:7.2f}"
+                met = "yes" if tier["max_ms"] <= max(LAG_FLOOR_MS, LAG_FACTOR * raw["max_ms"]) else "NO"
+            lines.append(
+                f"{case['tier']:<10} {case['block_kib']:>5} KiB {n:>5} | "
+                f"{tier['p99_ms']:8.2f} {tier['max_ms']:7.2f} | {raw_cells} | {met}"
+            )
     return "\n".join(lines)
 
 
