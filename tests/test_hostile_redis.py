@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from test_oversized_values import STATUS, peak_growth_of
+from test_oversized_values import STATUS, peak_growth_of, reset_peak, resident
 
 import kvtier_async as kt
 import kvtier_async.tiers.redis_tier  # imported up front: a first import reads files
@@ -48,15 +48,23 @@ class FakeServer:
     """A RESP2 server on `host` answering each command with `answer`; it records every
     connection and command."""
 
-    def __init__(self, host: str, answer: Answer, tls: ssl.SSLContext | None = None) -> None:
-        self.host, self.answer, self.tls = host, answer, tls
+    def __init__(
+        self,
+        host: str,
+        answer: Answer,
+        tls: ssl.SSLContext | None = None,
+        *,
+        resp3: bool = False,
+        port: int = 0,
+    ) -> None:
+        self.host, self.answer, self.tls, self.resp3 = host, answer, tls, resp3
         self.connections = 0
         self.commands: list[list[bytes]] = []
-        self.port = 0
+        self.port = port
 
     async def __aenter__(self) -> FakeServer:
         self._writers: set[asyncio.StreamWriter] = set()
-        self._server = await asyncio.start_server(self._serve, self.host, 0, ssl=self.tls)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -73,7 +81,9 @@ class FakeServer:
             while True:
                 command = await read_command(reader)
                 self.commands.append(command)
-                if command[0].upper() == b"HELLO":  # a RESP2 server, as Redis before 6
+                if command[0].upper() == b"HELLO" and self.resp3:
+                    writer.write(b"%1\r\n+proto\r\n:3\r\n")
+                elif command[0].upper() == b"HELLO":  # a RESP2 server, as Redis before 6
                     writer.write(b"-ERR unknown command 'HELLO'\r\n")
                 else:
                     await self.answer(command, writer)
@@ -131,45 +141,64 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     return context
 
 
-@pytest_asyncio.fixture
-async def hostile_tls_server(tmp_path: Path) -> AsyncIterator[tuple[FakeServer, Path]]:
-    """A TLS server that answers GETRANGE with a bulk reply claiming 4 GiB, then sends SENT
-    bytes of it as fast as the client takes them, and waits."""
-    cert, key = await asyncio.to_thread(self_signed, tmp_path)
+async def tls_server(directory: Path, answer: Answer) -> tuple[FakeServer, str]:
+    """A TLS `FakeServer` answering with `answer`, and a rediss:// URL for it that does not verify
+    the certificate (a man in the middle, as far as the client can tell). Enter the server."""
+    cert, key = await asyncio.to_thread(self_signed, directory)
     context = await asyncio.to_thread(server_context, cert, key)
+    server = FakeServer("127.0.0.1", answer, context)
+    return server, "rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none&ssl_check_hostname=false"
 
+
+async def stream(writer: asyncio.StreamWriter, head: bytes, body: bytes, times: int) -> None:
+    """`head`, then `body` `times` times as the client takes it (the server's own buffer small),
+    then wait: the rest never comes."""
+    writer.write(head)
+    for _ in range(times):
+        writer.write(body)
+        await writer.drain()
+    await asyncio.Event().wait()
+
+
+def answer_getrange_with(head: bytes, body: bytes = b"", times: int = 0) -> Answer:
     async def answer(command: list[bytes], writer: asyncio.StreamWriter) -> None:
         verb = command[0].upper()
         if verb == b"GETRANGE":
-            writer.write(b"$%d\r\n" % (4 << 30))
-            chunk = bytes(1 << 20)
-            for _ in range(SENT >> 20):
-                writer.write(chunk)
-                await writer.drain()
-            await asyncio.Event().wait()  # the rest never comes
+            await stream(writer, head, body, times)
         elif verb == b"CONFIG":
             writer.write(b"*0\r\n")
         else:
             writer.write(b"+OK\r\n")
 
-    async with FakeServer("127.0.0.1", answer, context) as server:
-        yield server, cert
+    return answer
+
+
+@pytest_asyncio.fixture
+async def hostile_tls_server(tmp_path: Path) -> AsyncIterator[tuple[FakeServer, str]]:
+    """A TLS server that answers GETRANGE with a bulk reply claiming 4 GiB, then sends SENT
+    bytes of it as fast as the client takes them, and waits."""
+    server, url = await tls_server(
+        tmp_path, answer_getrange_with(b"$%d\r\n" % (4 << 30), bytes(1 << 20), SENT >> 20)
+    )
+    async with server:
+        yield server, url.format(port=server.port)
+
+
+def allow_tls_context_lookup(blockbuster: Any) -> None:
+    # redis-py looks up its shared TLS context on the loop, by the CA files' signatures (a
+    # stat each): not what these tests are about (the report of this change names it).
+    blockbuster.functions["os.stat"].can_block_in("redis/utils.py", "get_shared_ssl_context")
 
 
 @pytest.mark.asyncio
 @pytest.mark.skipif(not STATUS.exists(), reason="measures memory through /proc/self")
 async def test_a_4_gib_reply_to_getrange_over_tls_is_a_bounded_miss(
-    hostile_tls_server: tuple[FakeServer, Path], blockbuster: Any
+    hostile_tls_server: tuple[FakeServer, str], blockbuster: Any
 ) -> None:
     # Attack: a hostile server (or a man in the middle) answers a GETRANGE of a block with a
     # reply that claims 4 GiB and streams it: redis-py held all it got (1.5 GB in 5 s).
-    server, _cert = hostile_tls_server
-    # Not verified (redis-py reads a CA file on the event loop): a man in the middle, as far
-    # as the client can tell.
-    url = f"rediss://127.0.0.1:{server.port}/0?ssl_cert_reqs=none&ssl_check_hostname=false"
-    # redis-py looks up its shared TLS context on the loop, by the CA files' signatures (a
-    # stat each): not what this test is about (the report of this change names it).
-    blockbuster.functions["os.stat"].can_block_in("redis/utils.py", "get_shared_ssl_context")
+    server, url = hostile_tls_server
+    allow_tls_context_lookup(blockbuster)
     tier = make_tier({"url": url, "timeout_s": 5.0})
     async with tier:
         growth = await peak_growth_of(tier.load([make_key(1)], [0]))
@@ -180,6 +209,121 @@ async def test_a_4_gib_reply_to_getrange_over_tls_is_a_bounded_miss(
     assert growth < BLOCK + (64 << 20), (
         f"a hostile {SENT >> 20} MiB reply grew the peak by {growth >> 20} MiB"
     )
+
+
+def virtual_peak() -> int:
+    """The process's peak address space (VmPeak), bytes."""
+    fields = dict(line.split(":", 1) for line in STATUS.read_text().splitlines())
+    return int(fields["VmPeak"].split()[0]) << 10
+
+
+HOSTILE_REPLIES = {
+    # hiredis built a list of each header's count at once (8 bytes an element), nested: 3 GB
+    "4-nested-arrays-of-1e8": (b"*100000000\r\n" * 4, b"", 0),
+    "array-of-2^32-1": (b"*4294967295\r\n", b"", 0),
+    # redis-py's Python parsers counted only bulk bodies: 16M empty arrays grew the process 510 MB
+    "16M-empty-arrays": (b"*16777216\r\n", b"*0\r\n" * (1 << 18), 64),
+    # ... and went back to a parser of their own after a failed HELLO: all 64 MiB returned
+    "64-MiB-bulk": (b"$%d\r\n" % (64 << 20), bytes(1 << 20), 64),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not STATUS.exists(), reason="measures memory through /proc/self")
+@pytest.mark.parametrize("hiredis", [True, False], ids=["hiredis", "no-hiredis"])
+@pytest.mark.parametrize("attack", list(HOSTILE_REPLIES))
+async def test_a_hostile_reply_of_any_shape_is_refused_before_it_is_built(
+    attack: str,
+    hiredis: bool,
+    tmp_path: Path,
+    blockbuster: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Attack: a GETRANGE answered with aggregate headers (hiredis allocates what they announce),
+    # tiny elements by the million, or a long bulk string, with or without hiredis installed.
+    if not hiredis:  # as redis-py is without hiredis: its pure-Python RESP3 parser by default
+        from redis._parsers import _AsyncRESP3Parser
+
+        monkeypatch.setattr("redis.asyncio.connection.DefaultParser", _AsyncRESP3Parser)
+    head, body, times = HOSTILE_REPLIES[attack]
+    server, url = await tls_server(tmp_path, answer_getrange_with(head, body, times))
+    allow_tls_context_lookup(blockbuster)
+    caplog.set_level(logging.WARNING)
+    async with server:
+        tier = make_tier({"url": url.format(port=server.port), "timeout_s": 5.0})
+        async with tier:
+            virtual_before = await asyncio.to_thread(virtual_peak)
+            growth = await peak_growth_of(tier.load([make_key(1)], [0]))
+            virtual_growth = await asyncio.to_thread(virtual_peak) - virtual_before
+            stats = tier.stats()
+    assert stats["load_misses"] == 1 and stats["errors"] >= 1
+    assert any(c[0].upper() == b"GETRANGE" for c in server.commands), server.commands
+    assert "longer than its command can return" in caplog.text  # refused as such, not by chance
+    assert growth < 32 << 20, f"the peak grew by {growth >> 20} MiB"
+    assert virtual_growth < 1 << 30, f"the address space grew by {virtual_growth >> 20} MiB"
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not STATUS.exists(), reason="measures memory through /proc/self")
+async def test_a_pipeline_of_existence_checks_answered_with_a_mib_each_is_bounded() -> None:
+    # Attack: each of 100 EXISTS in one pipeline answered with a 1 MiB bulk string: every
+    # reply was under the per-reply cap, and redis-py kept them all (+112 MiB per pipeline).
+    async def answer(command: list[bytes], writer: asyncio.StreamWriter) -> None:
+        verb = command[0].upper()
+        if verb == b"EXISTS":
+            writer.write(b"$%d\r\n" % (1 << 20))
+            writer.write(bytes(1 << 20) + b"\r\n")
+        elif verb == b"CONFIG":
+            writer.write(b"*0\r\n")
+        else:
+            writer.write(b"+OK\r\n")
+
+    async with FakeServer("127.0.0.1", answer) as server:
+        # redis:// (blocks on the direct connections): existence checks go through redis-py
+        tier = make_tier({"url": f"redis://127.0.0.1:{server.port}/0", "timeout_s": 5.0})
+        async with tier:
+            keys = [make_key(i) for i in range(100)]
+            await asyncio.to_thread(reset_peak)
+            before, _ = await asyncio.to_thread(resident)
+            found = await tier.lookup_each(keys)
+            growth = (await asyncio.to_thread(resident))[1] - before
+            stats = tier.stats()
+    assert found == [False] * 100
+    assert stats["errors"] >= 1
+    assert growth < 32 << 20, f"one pipeline's replies grew the peak by {growth >> 20} MiB"
+
+
+@pytest.mark.asyncio
+async def test_a_moving_push_sends_no_connection_and_no_password_elsewhere() -> None:
+    # Attack: a server answers HELLO as RESP3 and an EXISTS with a MOVING push naming another
+    # host: redis-py (maintenance notifications on by default) moved its connections there,
+    # sending HELLO 3 AUTH default <password> first.
+    async def answer(command: list[bytes], writer: asyncio.StreamWriter) -> None:
+        verb = command[0].upper()
+        if verb == b"EXISTS":
+            target = b"127.0.0.2:%d" % writer.get_extra_info("sockname")[1]
+            writer.write(b">4\r\n+MOVING\r\n:1\r\n:30\r\n+%s\r\n:0\r\n" % target)
+        elif verb == b"CONFIG":
+            writer.write(b"*0\r\n")
+        else:
+            writer.write(b"+OK\r\n")
+
+    async with FakeServer("127.0.0.1", answer, resp3=True) as node:
+        try:  # the host the push names, at the node's port (where redis-py goes)
+            spy = await FakeServer("127.0.0.2", answer_as_spy, port=node.port).__aenter__()
+        except OSError as exc:
+            pytest.skip(f"cannot listen on 127.0.0.2: {exc}")
+        try:
+            tier = make_tier({"url": f"redis://:{PASSWORD}@127.0.0.1:{node.port}/0", "timeout_s": 2.0})
+            async with tier:
+                for i in range(8):  # what redis-py moves, it moves on a later call
+                    await tier.lookup_each([make_key(i)])
+        finally:
+            await spy.__aexit__(None, None, None)
+    assert spy.connections == 0
+    assert not any(PASSWORD.encode() in part for c in spy.commands for part in c)
+    assert not any(c[0].upper() == b"HELLO" for c in node.commands)  # RESP2: no HELLO to answer
 
 
 def cluster_slots(host: str, port: int) -> bytes:
@@ -267,3 +411,14 @@ def test_malformed_nodes_are_refused(nodes: Any) -> None:
 def test_nodes_without_a_cluster_are_refused() -> None:
     with pytest.raises(kt.ConfigError, match="cluster=True"):
         make_tier({"url": "redis://127.0.0.1:7000/0", "nodes": ["127.0.0.1"]})
+
+
+def test_a_node_whose_port_is_no_number_is_refused_not_an_error() -> None:
+    # Attack: a hostile node names an address whose port is no number: the allow-list check
+    # raised ValueError instead of refusing the connection (counted, warned about).
+    from kvtier_async.tiers.redis_client import AllowedNodes
+
+    allowed = AllowedNodes(["127.0.0.1:7000", "10.0.0.1"])
+    assert ("127.0.0.1", "x") not in allowed
+    assert ("127.0.0.1", 7000) in allowed and ("127.0.0.1", "7000") in allowed
+    assert ("10.0.0.1", "x") in allowed  # a host listed without a port: any port

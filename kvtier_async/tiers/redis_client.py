@@ -1,70 +1,255 @@
 """What the redis-py client a `RedisTier` makes for itself (a Cluster, TLS) may read and reach.
 
-- **Replies are bounded** (`bounded_parser`): redis-py's parser holds a reply whole in memory
-  before handing it over, however long the server says it is, so a hostile or man-in-the-middle
-  server answering a 1 MiB GETRANGE with 4 GiB would grow the process by as much. Past `limit`
-  bytes received for one reply the parser raises, and redis-py drops the connection (as it does
-  on any error while reading): the call fails, a counted fault, the load a miss. The direct
-  connections (`redis_direct`) drop such a reply as they read it instead.
-- **A Cluster's nodes are the configuration's** (`AllowedNodes`, `guarded_connection_class`):
-  redis-py connects to whatever address `CLUSTER SLOTS` or a `MOVED` reply names, and sends
-  the password there first. A connection to a node outside the allowed ones is refused before
+- **Replies are bounded by what was asked** (`BoundedRESP2Parser`, `reply_allowance`): every
+  command a connection sends adds what its reply can legitimately hold (a GETRANGE its range,
+  an EXISTS or a SET a few bytes, COMMAND `MAX_COMMAND_REPLY_BYTES`, anything else
+  `MAX_OTHER_REPLY_BYTES`); every line, bulk
+  body and aggregate element read is charged against the sum for the replies outstanding,
+  each line and element at `ITEM_COST` bytes at least (a Python object each). A bulk or
+  aggregate header asking for more than is left fails before anything is read or built, as
+  does nesting deeper than `MAX_DEPTH`. On failure redis-py drops the connection (as on any
+  error while reading): the call fails, a counted fault, the load a miss. One pure-Python
+  RESP2 parser reads every reply, on every connection the client makes: hiredis builds what a
+  header announces (an array of 2^32 elements: 32 GiB of address space) before a byte of it
+  has arrived, so it is not used here.
+- **The protocol is pinned** (`client_options`): RESP2, with maintenance notifications off, so
+  that redis-py neither swaps the parser (it does on a failed HELLO) nor follows a RESP3
+  MOVING push to another host, where it would send the password first. A connection keeps
+  our parser whatever redis-py asks for (`set_parser`).
+- **Nodes are the configuration's** (`AllowedNodes`, `guarded_connection_class`): redis-py
+  connects to whatever address `CLUSTER SLOTS` or a `MOVED` reply names, and sends the
+  password there first. A connection to an address outside the allowed ones is refused before
   its socket is opened: no byte, and no password, reaches it. The tier counts each refusal and
-  warns once per address.
+  warns once per address. A standalone server's connections are held to the URL's host and
+  port.
+
+The direct connections (`redis_direct`) read their replies by their own means.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["AllowedNodes", "bounded_parser", "guarded_connection_class"]
+from redis._parsers import _AsyncRESP2Parser
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import InvalidResponse
+
+__all__ = [
+    "MAX_OTHER_REPLY_BYTES",
+    "AllowedNodes",
+    "BoundedRESP2Parser",
+    "ReplyAllowance",
+    "client_options",
+    "guarded_connection_class",
+    "reply_allowance",
+]
+
+#: A reply to a command other than those below (CLUSTER SLOTS of a large cluster, CONFIG GET)
+#: holds at most this much, items at `ITEM_COST` each.
+MAX_OTHER_REPLY_BYTES = 4 << 20
+
+#: COMMAND (a Cluster client asks once, for the key positions of every command): 0.8 MiB as
+#: charged from Redis 7.0's 240 commands; servers with modules have more.
+MAX_COMMAND_REPLY_BYTES = 16 << 20
+
+#: An integer, a status or an error: what EXISTS, DEL, SET and the handshake's commands answer.
+SMALL_REPLY_BYTES = 1024
+SMALL_REPLY_COMMANDS = frozenset(
+    {b"EXISTS", b"DEL", b"UNLINK", b"SET", b"AUTH", b"SELECT", b"PING", b"READONLY", b"ASKING", b"CLIENT"}
+)
+
+#: What one line or aggregate element is charged at least: about what it costs as a Python object.
+ITEM_COST = 64
+
+#: A line (a header, a status, an error) is at most this long.
+MAX_LINE_BYTES = 64 << 10
+
+#: Aggregates nest this deep at most (CLUSTER SLOTS: 4, COMMAND's key specs: 8).
+MAX_DEPTH = 16
 
 
-def bounded_parser(limit: int) -> type:
-    """redis-py's default asyncio parser, failing a reply once more than `limit` bytes of it
-    (and of the replies after it, at most one socket read's worth) have arrived."""
-    from redis._parsers import _AsyncHiredisParser
-    from redis.asyncio.connection import DefaultParser
-    from redis.exceptions import InvalidResponse
+def reply_allowance(args: tuple[Any, ...]) -> int:
+    """The most a reply to the command `args` (as redis-py packs it) can hold, in charged bytes."""
+    verb = args[0] if args else b""
+    verb = (verb.encode() if isinstance(verb, str) else bytes(verb)).split(b" ", 1)[0].upper()
+    if verb == b"GETRANGE" and len(args) == 4:
+        try:
+            start, end = int(args[2]), int(args[3])
+        except (TypeError, ValueError):
+            return MAX_OTHER_REPLY_BYTES
+        if 0 <= start <= end:
+            return end - start + 1 + SMALL_REPLY_BYTES
+    if verb in SMALL_REPLY_COMMANDS:
+        return SMALL_REPLY_BYTES
+    if verb == b"COMMAND":
+        return MAX_COMMAND_REPLY_BYTES
+    return MAX_OTHER_REPLY_BYTES
 
-    hiredis = issubclass(DefaultParser, _AsyncHiredisParser)
 
-    class BoundedReplies(DefaultParser):  # type: ignore[misc,valid-type]
-        def __init__(self, socket_read_size: int) -> None:
-            super().__init__(socket_read_size)
-            self._received = 0  # bytes received since the last whole reply
+class ReplyAllowance:
+    """What the replies outstanding on one connection may still hold."""
 
-        def _count(self, nbytes: int) -> None:
-            self._received += nbytes
-            if self._received > limit:
-                raise InvalidResponse(f"a reply longer than {limit} bytes (none of ours is)")
+    def __init__(self) -> None:
+        self.reset()
 
-        async def read_response(self, *args: Any, **kwargs: Any) -> Any:
-            self._received = 0
-            return await super().read_response(*args, **kwargs)
+    def reset(self) -> None:
+        self.outstanding = 0  # replies expected
+        self.left = 0  # charged bytes they may still hold
 
-        if hiredis:  # hiredis holds what was fed to it until a reply is whole
+    def expect(self, args: tuple[Any, ...]) -> None:
+        self.outstanding += 1
+        self.left += reply_allowance(args)
 
-            async def read_from_socket(self) -> Any:
-                before = self._reader.len()
-                result = await super().read_from_socket()
-                self._count(self._reader.len() - before)
-                return result
+    def check(self, nbytes: int) -> None:
+        """Raise unless `nbytes` more would fit."""
+        if nbytes > self.left:
+            raise InvalidResponse("a reply longer than its command can return (not a server we trust)")
 
-        else:  # the pure-Python parsers read a bulk reply's length at once
+    def charge(self, nbytes: int) -> None:
+        self.check(nbytes)
+        self.left -= nbytes
 
-            async def _read(self, length: int) -> Any:
-                self._count(length)
-                return await super()._read(length)
+    def replied(self) -> None:
+        self.outstanding -= 1
+        if self.outstanding <= 0:  # what the replies did not use is not carried over
+            self.reset()
 
-    return BoundedReplies
+
+class BoundedRESP2Parser(_AsyncRESP2Parser):
+    """A RESP2 parser charging what it reads to its connection's `ReplyAllowance` before it
+    reads or builds it. It reads the socket a buffer at a time and parses from that buffer
+    (redis-py's Python parser awaits the stream once per line: twice as slow for small
+    replies), and a long bulk string's rest in one read of exactly its length."""
+
+    def __init__(self, socket_read_size: int) -> None:
+        super().__init__(socket_read_size)
+        self.allowance = ReplyAllowance()  # the connection's, from on_connect
+        self._data = b""  # read from the socket, not yet parsed from `_at` on
+        self._at = 0
+
+    def on_connect(self, connection: Any) -> None:
+        super().on_connect(connection)  # type: ignore[no-untyped-call]
+        self.allowance = connection.reply_allowance
+        self._data, self._at = b"", 0
+
+    def on_disconnect(self) -> None:
+        super().on_disconnect()  # type: ignore[no-untyped-call]
+        self.allowance.reset()  # no reply outstanding comes on a new connection
+        self._data, self._at = b"", 0
+
+    async def can_read(self) -> bool:
+        if self._connected and self._at < len(self._data):
+            return True
+        return bool(await super().can_read())
+
+    async def read_response(self, disable_decoding: bool = False, **_: Any) -> Any:
+        # A reply cut short (a timeout, an error) leaves the buffer mid-reply: redis-py drops
+        # the connection then, and on_disconnect empties it.
+        if not self._connected or self._stream is None or self.encoder is None:
+            raise RedisConnectionError("the connection is closed")
+        response = await self._reply(disable_decoding, 0)
+        self.allowance.replied()
+        return response
+
+    def _socket(self) -> asyncio.StreamReader:
+        if self._stream is None:
+            raise RedisConnectionError("the connection is closed")
+        return self._stream
+
+    async def _more(self) -> None:
+        """Read what the socket has (a buffer's worth at most) after what is left unparsed."""
+        data = await self._socket().read(self._read_size)
+        if not data:
+            raise RedisConnectionError("the server closed the connection")
+        self._data = self._data[self._at :] + data
+        self._at = 0
+
+    async def _line(self) -> bytes:
+        while True:
+            end = self._data.find(b"\r\n", self._at)
+            if end >= 0:
+                line = self._data[self._at : end]
+                self._at = end + 2
+                self.allowance.charge(len(line) + 2 + ITEM_COST)
+                return line
+            if len(self._data) - self._at > MAX_LINE_BYTES:
+                raise InvalidResponse(f"a reply line longer than {MAX_LINE_BYTES} bytes")
+            await self._more()
+
+    async def _exactly(self, n: int) -> bytes:
+        have = len(self._data) - self._at
+        if have >= n:
+            data = self._data[self._at : self._at + n]
+            self._at += n
+            return data
+        head = self._data[self._at :]
+        self._data, self._at = b"", 0
+        try:
+            return head + await self._socket().readexactly(n - have)
+        except asyncio.IncompleteReadError:
+            raise RedisConnectionError("the server closed the connection") from None
+
+    async def _reply(self, disable_decoding: bool, depth: int) -> Any:
+        raw = await self._line()
+        byte, rest = raw[:1], raw[1:]
+        response: Any
+        if byte == b"-":
+            error = self.parse_error(rest.decode("utf-8", errors="replace"))  # type: ignore[no-untyped-call]
+            if isinstance(error, RedisConnectionError):
+                raise error
+            return error  # a ResponseError: in place, for the pipeline's caller
+        if byte == b"+":
+            response = rest
+        elif byte == b":":
+            return _number(rest, raw, allow_negative=True)
+        elif byte == b"$":
+            length = _number(rest, raw)
+            if length < 0:
+                return None
+            self.allowance.charge(length + 2)
+            response = await self._exactly(length)
+            if await self._exactly(2) != b"\r\n":
+                raise InvalidResponse("Protocol Error: a bulk string of another length than announced")
+        elif byte == b"*":
+            count = _number(rest, raw)
+            if count < 0:
+                return None
+            if depth >= MAX_DEPTH:
+                raise InvalidResponse(f"a reply nested deeper than {MAX_DEPTH}")
+            self.allowance.check(count * ITEM_COST)  # before a list of `count` is built
+            return [await self._reply(disable_decoding, depth + 1) for _ in range(count)]
+        else:
+            raise InvalidResponse(f"Protocol Error: {raw[:64]!r}")
+        if disable_decoding is False and self.encoder is not None:
+            response = self.encoder.decode(response)  # type: ignore[no-untyped-call]
+        return response
+
+
+def _number(text: bytes, raw: bytes, *, allow_negative: bool = False) -> int:
+    """A header's or an integer reply's number (at most 20 digits: the line is charged already)."""
+    try:
+        value = int(text) if len(text) <= 20 else None
+    except ValueError:
+        value = None
+    if value is None or (value < -1 and not allow_negative):
+        raise InvalidResponse(f"Protocol Error: {raw[:64]!r}")
+    return value
+
+
+def client_options() -> dict[str, Any]:
+    """What every redis-py client the tier makes is given: RESP2 and no maintenance
+    notifications (see the module's docstring)."""
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    return {"protocol": 2, "maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
 
 class AllowedNodes:
-    """The cluster nodes the tier may connect to: entries "host" (any port) or "host:port"
+    """The nodes the tier may connect to: entries "host" (any port) or "host:port"
     ("[v6]:port"), matched by name and by the addresses a name resolves to (`resolve`, on a
     worker thread, when the client is made)."""
 
@@ -82,10 +267,15 @@ class AllowedNodes:
         self._allowed: set[tuple[str, int | None]] = set(self.entries)
 
     @classmethod
-    def of_url(cls, url: str) -> AllowedNodes:
-        """The default: the URL's host, at any port (a cluster's nodes on one host)."""
-        host = urlsplit(url).hostname
-        return cls([host if ":" not in host else f"[{host}]"] if host else [])
+    def of_url(cls, url: str, *, any_port: bool = True) -> AllowedNodes:
+        """The URL's host: at any port (a Cluster's default: its nodes on one host), or at the
+        URL's port only (a standalone server)."""
+        parts = urlsplit(url)
+        host = parts.hostname
+        if not host:
+            return cls([])
+        entry = host if ":" not in host else f"[{host}]"
+        return cls([entry if any_port else f"{entry}:{parts.port or 6379}"])
 
     def resolve(self) -> None:
         """Add the addresses each name resolves to (blocking: DNS)."""
@@ -96,30 +286,51 @@ class AllowedNodes:
                 continue  # not resolvable now: the name alone is allowed
             self._allowed.update((str(info[4][0]), port) for info in infos)
 
-    def __contains__(self, address: tuple[str, int]) -> bool:
+    def __contains__(self, address: tuple[str, Any]) -> bool:
         host, port = address
-        host = host.strip("[]").lower()
-        return (host, None) in self._allowed or (host, int(port)) in self._allowed
+        host = str(host).strip("[]").lower()
+        if (host, None) in self._allowed:
+            return True
+        try:
+            return (host, int(port)) in self._allowed
+        except (TypeError, ValueError):
+            return False  # a port that is no number: not a node of ours
 
 
 def guarded_connection_class(
-    base: type, allowed: AllowedNodes, refused: Callable[[str, int], None], parser: type
+    base: type, allowed: AllowedNodes | None, refused: Callable[[str, int], None]
 ) -> type:
-    """`base` (redis-py's `Connection` or `SSLConnection`) reading through `parser`, and
-    refusing to open a socket to a node not in `allowed` (`refused(host, port)` is told first)."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
+    """`base` (redis-py's `Connection`, `SSLConnection` or `UnixDomainSocketConnection`)
+    reading every reply through `BoundedRESP2Parser`, and, unless `allowed` is None (a unix
+    socket), refusing to open a socket to an address not in `allowed` (`refused(host, port)`
+    is told first)."""
 
     class GuardedConnection(base):  # type: ignore[misc]
         def __init__(self, **kwargs: Any) -> None:
-            kwargs["parser_class"] = parser
+            self.reply_allowance = ReplyAllowance()
+            kwargs["parser_class"] = BoundedRESP2Parser
             super().__init__(**kwargs)
 
+        def set_parser(self, parser_class: type) -> None:
+            # redis-py swaps parsers on a protocol change (a failed HELLO): ours stays.
+            super().set_parser(BoundedRESP2Parser)
+
+        def pack_command(self, *args: Any) -> Any:
+            # Every command sent is packed here (pipelines too): its reply's allowance.
+            self.reply_allowance.expect(args)
+            return super().pack_command(*args)
+
         async def _connect(self) -> None:
-            if (self.host, self.port) not in allowed:
-                refused(self.host, self.port)
-                raise RedisConnectionError(
-                    f"cluster node {self.host}:{self.port} is not among the tier's allowed nodes"
-                )
-            await super()._connect()
+            try:
+                if allowed is not None and (self.host, self.port) not in allowed:
+                    refused(self.host, self.port)
+                    raise RedisConnectionError(
+                        f"node {self.host}:{self.port} is not among the tier's allowed nodes"
+                    )
+                await super()._connect()
+            except BaseException:
+                # Commands packed for this socket were never sent: no reply of theirs comes.
+                self.reply_allowance.reset()
+                raise
 
     return GuardedConnection

@@ -4,7 +4,8 @@ Each block is one string value, `<prefix>:<namespace id hex>:<key hex>`, in the
 self-verifying block format (a 4096-byte header with checksums, then the
 payload), so a value that was changed, truncated or written for another
 namespace reads as a miss. Batches go out as pipelines (per node on a
-Cluster), through redis-py's asyncio client with hiredis.
+Cluster), through redis-py's asyncio client (on a client the tier makes, its replies bounded
+and its connections held to the configured nodes by `redis_client`).
 
 Where the time goes, and what we do about it (`bench/remote_tiers.py` measures it):
 
@@ -19,8 +20,8 @@ Where the time goes, and what we do about it (`bench/remote_tiers.py` measures i
   (`SEALED_POOL_BYTES`), so that a value is still in the CPU's cache when it is opened or sent.
 - Elsewhere (a Cluster, TLS, a client passed in) redis-py carries the blocks: a stored value is
   assembled in a new buffer first, the GIL released (`buffers`), and a value over
-  `READ_PIECE_BYTES` is read as ranges of it (GETRANGE, in one pipeline), since hiredis builds
-  each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB.
+  `READ_PIECE_BYTES` is read as ranges of it (GETRANGE, in one pipeline), since the parser
+  builds each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB.
 - Checksums and copies of more than 1 MiB a call run on worker threads (`run_cpu`).
 - A store writes without asking first which keys the server holds, and the existence checks
   of concurrent lookups share pipelines (`Coalescer`).
@@ -41,7 +42,7 @@ import ipaddress
 import logging
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from ..block_format import (
     HEADER_BYTES,
@@ -61,7 +62,7 @@ from ..slot_pool import SlotPool, for_batches_in_flight
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager
 from ..tier_resource import INLINE_CPU_BYTES
-from .redis_client import AllowedNodes, bounded_parser, guarded_connection_class
+from .redis_client import AllowedNodes, client_options, guarded_connection_class
 from .redis_direct import SOCKET_BUFFER_BYTES, DirectConnections
 
 __all__ = ["RedisTier"]
@@ -88,10 +89,6 @@ SEALED_POOL_BYTES = 32 << 20
 #: the time they have landed whatever the pool's size, and with fewer at once (4 of 8 MiB:
 #: 0.82x) the server was kept waiting.
 SEALED_POOL_VALUES = 16
-
-#: A reply other than a value's range (CLUSTER SLOTS of a large cluster, CONFIG GET) is at most
-#: this long; with READ_PIECE_BYTES, the most redis-py reads of one reply (`bounded_parser`).
-MAX_OTHER_REPLY_BYTES = 1 << 20
 
 #: Existence checks that share one pipeline at most (`Coalescer`): a reply of ~4 bytes each.
 EXISTS_PER_PIPELINE = 1024
@@ -164,6 +161,10 @@ class RedisTier(SecondaryTierManager):
             raise ConfigError(f"redis tier: the url {self.where} is malformed") from None
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ConfigError("redis tier: url must be a redis://, rediss:// or unix:// URL")
+        if "protocol" in parse_qs(parts.query):
+            raise ConfigError(
+                "redis tier: the url may not set protocol= (the tier speaks RESP2: redis_client)"
+            )
         password = load_private_value(tier_type, "password", env=password_env, file=password_file)
         #: A password from password_env / password_file; it overrides one in the URL.
         self._password = None if password is None else password.decode()
@@ -181,6 +182,8 @@ class RedisTier(SecondaryTierManager):
         except ValueError as exc:
             raise ConfigError(f"redis tier: nodes: {exc}") from None
         self._nodes_refused: set[tuple[str, int]] = set()
+        #: A standalone server's connections go to the URL's host and port only.
+        self._standalone_node = AllowedNodes.of_url(url, any_port=False)
         if not isinstance(prefix, str) or not prefix:
             raise ConfigError(f"redis tier: prefix must be a non-empty str, got {prefix!r}")
         _positive_number("ttl_s", ttl_s, optional=True)
@@ -261,14 +264,13 @@ class RedisTier(SecondaryTierManager):
 
     def _make_client(self) -> Any:
         options: dict[str, Any] = {
+            **client_options(),
             "max_connections": self._max_connections,
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
         }
         if self._password is not None:
             options["password"] = self._password
-        # No reply longer than a range of a value, with room for the server's small answers.
-        parser = bounded_parser(READ_PIECE_BYTES + MAX_OTHER_REPLY_BYTES)
         version = importlib.metadata.version("redis")
         try:
             from redis.driver_info import DriverInfo  # redis-py 7.1+
@@ -281,31 +283,40 @@ class RedisTier(SecondaryTierManager):
 
             self.allowed_nodes.resolve()
             cluster = RedisCluster.from_url(self._url, **options)
-            # RedisCluster takes no connection class or parser of ours: set them where it makes
-            # its nodes' connections (its connection kwargs, shared with its nodes manager, and
-            # the start-up node it already made).
+            # RedisCluster takes no connection class of ours: set it where it makes its nodes'
+            # connections (its connection kwargs, shared with its nodes manager, and the
+            # start-up node it already made).
             guarded = guarded_connection_class(
-                cluster.connection_kwargs["connection_class"], self.allowed_nodes, self._node_refused, parser
+                cluster.connection_kwargs["connection_class"], self.allowed_nodes, self._node_refused
             )
             cluster.connection_kwargs["connection_class"] = guarded
             for node in cluster.nodes_manager.startup_nodes.values():
                 node.connection_class = guarded
             return cluster
         from redis.asyncio import BlockingConnectionPool, Redis
+        from redis.asyncio.connection import Connection, parse_url
 
+        # Held to the URL's host and port: nothing redis-py is told may take it (or the
+        # password) elsewhere.
+        base = parse_url(self._url).get("connection_class", Connection)
+        allowed = None if base.__name__ == "UnixDomainSocketConnection" else self._standalone_node
+        guarded = guarded_connection_class(base, allowed, self._node_refused)
         # The gate keeps us within max_connections; a blocking pool waits rather than raise
         # should anything else take a connection meanwhile.
         return Redis.from_pool(
-            BlockingConnectionPool.from_url(self._url, timeout=self.timeout_s, parser_class=parser, **options)
+            BlockingConnectionPool.from_url(
+                self._url, timeout=self.timeout_s, connection_class=guarded, **options
+            )
         )
 
     def _node_refused(self, host: str, port: int) -> None:
-        """A Cluster node outside `allowed_nodes` was to be connected to (loop thread)."""
+        """An address outside the allowed ones was to be connected to (loop thread): a node a
+        Cluster's topology names, or anywhere but a standalone server's URL."""
         self.counters["cluster_nodes_refused"] += 1
         if (host, port) not in self._nodes_refused:
             self._nodes_refused.add((host, port))
             log.warning(
-                "redis tier %r: the cluster named node %s:%s, which is not among the allowed nodes; "
+                "redis tier %r: redis-py was to connect to %s:%s, which is not among the allowed nodes; "
                 "not connected to it (list the cluster's nodes in the tier's 'nodes' to allow them)",
                 self.name,
                 host,
