@@ -22,8 +22,12 @@ __all__ = ["MIN_DISTINCT_BYTES", "MIN_SECRET_BYTES", "load_private_value", "load
 
 #: A secret shorter than this is refused: 32 bytes of a fresh one are 256 bits.
 MIN_SECRET_BYTES = 32
-#: A secret with fewer distinct bytes than this is refused as obviously weak ("a" * 32): 32
-#: random bytes hold about 30; the chance that they hold fewer than 16 is about 10^-16.
+#: A secret with fewer distinct bytes than this, or than just over half its length (hex decoded
+#: first), is refused as obviously weak ("a" * 32, a few bytes cycled): 32 random bytes hold
+#: about 30, and fewer than 16 with a chance of 3e-17; 16 random bytes (32 hex digits, 128
+#: bits, `secrets.token_hex(16)` or a uuid4) hold fewer than 9 with a chance of 1e-10. Nothing
+#: here catches a guessable secret of distinct bytes (bytes(range(32)), a phrase): only a
+#: random one is safe.
 MIN_DISTINCT_BYTES = 16
 #: A secret or password file longer than this is not one (read no further).
 MAX_SECRET_FILE_BYTES = 4096
@@ -51,11 +55,14 @@ def load_tier_secret(
             f"{tier} tier: the secret is shorter than {MIN_SECRET_BYTES} bytes; "
             "`kvtier secret new` prints one long enough"
         )
-    if raw is not None and len(set(_secret_bytes(raw))) < MIN_DISTINCT_BYTES:
-        raise ConfigError(
-            f"{tier} tier: the secret is obviously weak (fewer than {MIN_DISTINCT_BYTES} distinct "
-            "bytes, such as one byte repeated); `kvtier secret new` prints a random one"
-        )
+    if raw is not None:
+        value = _secret_bytes(raw)
+        needed = min(MIN_DISTINCT_BYTES, len(value) // 2 + 1)
+        if len(set(value)) < needed:
+            raise ConfigError(
+                f"{tier} tier: the secret is obviously weak (fewer than {needed} distinct bytes, "
+                "such as one byte repeated or a few cycled); `kvtier secret new` prints a random one"
+            )
     return raw
 
 
@@ -106,6 +113,8 @@ def _read_private_file(tier: str, what: str, path: str) -> bytes:
                 f"{tier} tier: {what}_file {path} is open to group or others "
                 f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it"
             )
+        if info.st_size > MAX_SECRET_FILE_BYTES:
+            raise ConfigError(f"{tier} tier: {what}_file {path} is longer than {MAX_SECRET_FILE_BYTES} bytes")
         data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
     finally:
         os.close(fd)
@@ -114,6 +123,4 @@ def _read_private_file(tier: str, what: str, path: str) -> bytes:
             f"{tier} tier: {what}_file {path} is not a regular file (it holds other than its size "
             "says: a /proc or /sys file?)"
         )
-    if len(data) > MAX_SECRET_FILE_BYTES:
-        raise ConfigError(f"{tier} tier: {what}_file {path} is longer than {MAX_SECRET_FILE_BYTES} bytes")
     return data.strip()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -316,6 +317,9 @@ def test_secret_sources_are_checked_and_never_shown(
     link.symlink_to(good_file)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)
+    long_file = tmp_path / "long-secret"  # a regular file, too long to be a secret
+    long_file.write_text(value * 100)
+    long_file.chmod(0o600)
     bad = [
         ({"secret": value}, "inline"),
         ({"secret_env": "KVTIER_GOOD", "secret_file": str(good_file)}, "not both"),
@@ -325,6 +329,7 @@ def test_secret_sources_are_checked_and_never_shown(
         ({"secret_file": str(open_file)}, "open to group or others"),
         ({"secret_file": str(link)}, "cannot open"),
         ({"secret_file": str(fifo)}, "not a regular file"),
+        ({"secret_file": str(long_file)}, "longer than 4096 bytes"),
         ({"secret_env": "KVTIER_REPEATED"}, "obviously weak.*kvtier secret new"),
         ({"secret_env": "KVTIER_CYCLED"}, "obviously weak"),
         ({"secret_env": "KVTIER_HEX_CYCLED"}, "obviously weak"),
@@ -339,6 +344,32 @@ def test_secret_sources_are_checked_and_never_shown(
         tier = make_tier({**base, **extra}, primary, spec)
         assert tier.stats()["sealed"] is True
         assert value not in repr(tier.stats()) and value not in repr(vars(tier))
+
+
+def test_random_128_bit_hex_secrets_are_never_refused_as_weak(
+    monkeypatch: pytest.MonkeyPatch, spec: kt.OffloadingSpec
+) -> None:
+    # Attack (on availability): 16 random bytes as 32 hex digits (secrets.token_hex(16), a
+    # uuid4) were refused about 2 times in 5, their bytes not all 16 distinct.
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    one_repeat = bytes(range(15)) + b"\x00"  # 15 distinct of 16: as random ones mostly are
+    values = [
+        one_repeat.hex(),
+        *(uuid.uuid4().hex for _ in range(100)),
+        *(secrets.token_hex(16) for _ in range(100)),
+    ]
+    for value in values:
+        monkeypatch.setenv("KVTIER_128", value)
+        tier = make_tier(
+            {"type": "redis", "url": "redis://127.0.0.1:1/0", "secret_env": "KVTIER_128"}, primary, spec
+        )
+        assert tier.stats()["sealed"] is True
+    # ... while 16 bytes that are half repeats still are.
+    monkeypatch.setenv("KVTIER_128", "0123456789abcdef" * 2)
+    with pytest.raises(kt.ConfigError, match="obviously weak"):
+        make_tier(
+            {"type": "redis", "url": "redis://127.0.0.1:1/0", "secret_env": "KVTIER_128"}, primary, spec
+        )
 
 
 PASSWORD = "pa/ss#w@rd?&x=" + uuid.uuid4().hex  # every character a URL parser trips on
