@@ -88,6 +88,39 @@ async def test_a_bucket_that_does_not_exist_fails_at_start(s3_server: servers.S3
 
 
 @pytest.mark.asyncio
+async def test_a_404_that_is_not_no_such_bucket_starts_degraded() -> None:
+    # Availability: a proxy in front of S3 answers 404 while its backend starts: only S3's own
+    # NoSuchBucket means the bucket does not exist (obstore reports a LIST's 404 as a generic
+    # error; a NotFoundError from any other call was taken for a missing bucket too).
+    async def not_found(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(
+                    b"HTTP/1.1 404 Not Found\r\ncontent-type: text/plain\r\ncontent-length: 18\r\n\r\n"
+                )
+                writer.write(b"404 page not found")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    proxy = await asyncio.start_server(not_found, "127.0.0.1", 0)
+    async with proxy:
+        port = proxy.sockets[0].getsockname()[1]
+        tier = {
+            "type": "s3",
+            "bucket": servers.S3_BUCKET,
+            "endpoint": f"http://127.0.0.1:{port}",
+            "allow_http": True,
+            "max_retries": 0,
+            **servers.S3_CREDENTIALS,
+        }
+        async with kt.TieredKVCache(make_spec(tier), layers(), pin_memory=False) as cache:
+            assert cache.tiers[0].stats()["errors"] == 1  # the opening failed, counted: it will retry
+
+
+@pytest.mark.asyncio
 async def test_an_existing_bucket_starts(s3_server: servers.S3Server) -> None:
     tier = {
         "type": "s3",
@@ -132,6 +165,11 @@ async def test_a_redis_server_down_at_start_degrades_then_recovers(
         ({"type": "redis", "url": "http://h/0"}, "redis://"),
         ({"type": "fs", "root": "/tmp/x", "secret_env": "KVTIER_NO_SUCH_VARIABLE"}, "is not set"),
         ({"type": "s3", "bucket": "b", "secret_file": "/nonexistent/secret"}, "cannot open"),
+        (
+            {"type": "s3", "bucket": "b", "endpoint": "https://AKIA:SECRETPW@127.0.0.1:9"},
+            "carries credentials",
+        ),
+        ({"type": "redis", "url": "rediss://h:6380/0?protocol=3"}, "protocol="),
     ],
 )
 def test_malformed_urls_and_bad_secret_sources_fail_before_start(tier: dict[str, Any], match: str) -> None:

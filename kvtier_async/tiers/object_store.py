@@ -31,6 +31,7 @@ import os
 from collections.abc import Awaitable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from ..block_format import block_codec
 from ..errors import ConfigError
@@ -55,6 +56,22 @@ MAX_SINGLE_PUT = 5 << 30
 #: GIL held, so a piece is also the longest the event loop waits for one), and reading stops
 #: once the pieces hold more than a value: a server that sends more is read no further.
 READ_PIECE_BYTES = 1 << 20
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """An endpoint is scheme://host[:port][/path]: credentials in it (user:password@, a signed
+    query) would be in every error obstore raises, and so in logs; they belong in
+    access_key_id / secret_access_key or the environment."""
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # noqa: B018 (read for its ValueError)
+    except ValueError:
+        raise ConfigError(f"s3 tier: the endpoint {redact_url(endpoint)} is malformed") from None
+    if "@" in parts.netloc or parts.query or parts.fragment:
+        raise ConfigError(
+            f"s3 tier: the endpoint {redact_url(endpoint)} carries credentials (user:password@ or a "
+            "query): give them as access_key_id / secret_access_key or in the environment"
+        )
 
 
 def _optional_str(name: str, value: object) -> None:
@@ -116,6 +133,8 @@ class ObjectStoreTier(SecondaryTierManager):
             raise ConfigError("s3 tier: give both access_key_id and secret_access_key, or neither")
         if not isinstance(allow_http, bool):
             raise ConfigError(f"s3 tier: allow_http must be True or False, got {allow_http!r}")
+        if endpoint is not None:
+            _check_endpoint(endpoint)
         if endpoint is not None and endpoint.startswith("http://") and not allow_http:
             raise ConfigError("s3 tier: the endpoint is plain http://; set allow_http=True to allow it")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -182,7 +201,8 @@ class ObjectStoreTier(SecondaryTierManager):
         except StopAsyncIteration:
             pass  # the bucket exists, and holds nothing of ours yet
         except (NotFoundError, BaseError) as exc:
-            if isinstance(exc, NotFoundError) or "NoSuchBucket" in str(exc):
+            # Only S3's own answer: a proxy's 404 while its backend starts may pass.
+            if "NoSuchBucket" in str(exc):
                 raise ConfigError(
                     f"s3 tier: the bucket {self.bucket!r} does not exist; create it first"
                 ) from None
