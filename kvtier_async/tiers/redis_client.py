@@ -123,7 +123,7 @@ class BoundedRESP2Parser(_AsyncRESP2Parser):
     """A RESP2 parser charging what it reads to its connection's `ReplyAllowance` before it
     reads or builds it. It reads the socket a buffer at a time and parses from that buffer
     (redis-py's Python parser awaits the stream once per line: twice as slow for small
-    replies), and a long bulk string's rest in one read of exactly its length."""
+    replies), and a long bulk string's rest as it arrives."""
 
     def __init__(self, socket_read_size: int) -> None:
         super().__init__(socket_read_size)
@@ -186,12 +186,17 @@ class BoundedRESP2Parser(_AsyncRESP2Parser):
             data = self._data[self._at : self._at + n]
             self._at += n
             return data
-        head = self._data[self._at :]
+        # The rest as it arrives, not with readexactly: asyncio's stream stops reading the
+        # socket while it holds more than 128 KiB, and resumes each time it is waited on again.
+        parts, need = [self._data[self._at :]], n - have
         self._data, self._at = b"", 0
-        try:
-            return head + await self._socket().readexactly(n - have)
-        except asyncio.IncompleteReadError:
-            raise RedisConnectionError("the server closed the connection") from None
+        while need > 0:
+            part = await self._socket().read(need)
+            if not part:
+                raise RedisConnectionError("the server closed the connection")
+            parts.append(part)
+            need -= len(part)
+        return b"".join(parts)
 
     async def _reply(self, disable_decoding: bool, depth: int) -> Any:
         raw = await self._line()
