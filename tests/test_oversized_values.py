@@ -111,15 +111,28 @@ async def test_s3_object_of_64_mib_is_a_bounded_miss(
 
 
 class _HostileS3Handler(http.server.BaseHTTPRequestHandler):
-    """Answers every GET as a ranged GET of an object of `claimed` bytes should be answered
-    (206, the right Content-Range), then sends `sent` bytes of body: a hostile endpoint, or a
-    man in the middle, that only a bounded read survives."""
+    """Answers a bucket listing as an empty bucket's, and every other GET as a ranged GET of an
+    object of `claimed` bytes should be answered (206, the right Content-Range), then sends
+    `sent` bytes of body: a hostile endpoint, or a man in the middle, that only a bounded read
+    survives."""
 
     protocol_version = "HTTP/1.1"
     claimed = 0
     sent = 0
 
     def do_GET(self) -> None:
+        if "list-type=" in self.path:  # the tier's bucket check at start-up: an empty bucket
+            listing = (
+                b'<?xml version="1.0" encoding="UTF-8"?>'
+                b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                b"<KeyCount>0</KeyCount><IsTruncated>false</IsTruncated></ListBucketResult>"
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(listing)))
+            self.end_headers()
+            self.wfile.write(listing)
+            return
         self.send_response(206)
         self.send_header("Content-Range", f"bytes 0-{self.claimed - 1}/{self.claimed}")
         self.send_header("Content-Length", str(self.sent))
