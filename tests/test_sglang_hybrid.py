@@ -6,12 +6,16 @@ MLA + DSA indexer in every layout; MLA + Mamba at TP 2. Each is driven through S
 `HybridCacheController` storage methods (`sglang_hybrid_env.Controller`): backups, hit queries
 and prefetches, against our backend and `HiCacheFile` on the same calls. The hit answers
 must be HiCacheFile's, and each is also pinned to its value here, so agreement is never vacuous.
+Every pool set runs through each tier (`tier`: fs, Redis, memory, fs sealed with a secret),
+and again through a backend restarted over the same storage where the tier keeps it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +79,55 @@ def fs(tmp_path: Path) -> dict[str, Any]:
     return {"type": "fs", "root": str(tmp_path / "kv")}
 
 
+@dataclass(frozen=True)
+class Tier:
+    """A tier config for our backend, and what the pool sets may expect of it."""
+
+    kind: str
+    config: dict[str, Any]
+    #: A backend restarted over the same config finds what the first one stored.
+    persists: bool = True
+    #: Another process (another TP rank) finds what this one stored.
+    shared: bool = True
+    #: The backend's extra config besides the tier ("limits").
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def attach(self, kind: str, kv: Any, pools: dict[PoolName, Any], root: Path, **config: Any) -> Any:
+        """`attach` our backend over this tier (kind "ours"), or HiCacheFile (kind "file")."""
+        if kind == "file":
+            return attach("file", None, kv, pools, root, **config)
+        return attach("ours", self.config, kv, pools, root, extra=self.extra, **config)
+
+
+TIERS = ["fs", "redis", "memory", "fs-sealed"]
+
+
+@pytest.fixture(params=TIERS)
+def tier(request: pytest.FixtureRequest, fs: dict[str, Any]) -> Tier:
+    """Every pool set runs through each: fs, a real Redis server, memory, fs sealed with a secret."""
+    kind = request.param
+    if kind == "redis":  # one server for the module: every test its own names on it
+        url = request.getfixturevalue("redis_server").url
+        return Tier(kind, {"type": "redis", "url": url, "prefix": f"hybrid-{uuid.uuid4().hex[:12]}"})
+    if kind == "memory":  # process memory, per tier object: gone with the backend, and rank-local
+        return Tier(kind, {"type": "memory"}, persists=False, shared=False)
+    if kind == "fs-sealed":  # records are sealed in slots for every block in flight, per pool:
+        # a few lanes keep those slots (faulted in at open) small, here
+        lanes = {"limits": {"max_inflight_loads": 2, "max_inflight_stores": 2}}
+        return Tier(kind, {**fs, "secret_env": request.getfixturevalue("tier_secret_env")}, extra=lanes)
+    return Tier(kind, fs)
+
+
+def scrub(pool: Any, slots: list[int]) -> None:
+    """Zero the pages at `slots` of `pool`, so a load into them is never vacuous."""
+    for slot in slots:
+        pool.set_from_flat_data_page(slot, torch.zeros_like(pool.get_dummy_flat_data_page()))
+
+
 # -- pool set 1: Mamba state + DSA indexer over MLA KV -------------------------------------------------
 TOKENS, KEYS = chain(20, P)
 OTHER_TOKENS, _ = chain(4, P, seed=7)
+STORED = [4 * P, P, P, 2 * P, 4 * P]  # what SGLang counts as stored, per backup below
 
 
 def store_mamba_indexer_chain(c: Controller) -> list[int]:
@@ -121,31 +171,31 @@ MAMBA_INDEXER_EXPECTED = [
 def check_mamba_indexer_loads(c: Controller, kv: Any, indexer: Any, state: Any) -> None:
     """Prefetch the first node (KV, indexer, its state) into other slots: byte-exact per pool; an
     indexer load over the missing page fails that entry only."""
+    dest = [12, 13, 14, 15]
+    scrub(kv, [p * P for p in dest])
+    scrub(indexer, [p * P for p in dest])
+    scrub(state, [9])
     load = [PoolTransfer(name=INDEXER, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)]
     load.append(
         PoolTransfer(
             name=MAMBA, host_indices=torch.tensor([9]), keys=["x"], hit_policy=PoolHitPolicy.TRAILING_PAGES
         )
     )
-    assert c.prefetch(KEYS[:4], [12, 13, 14, 15], load) == (
-        4 * P,
-        {"mamba": 1},
-    )  # the indexer counts in the KV pages
-    assert [flat_bytes(kv, p * P) for p in range(12, 16)] == [flat_bytes(kv, p * P) for p in range(4)]
-    assert [flat_bytes(indexer, p * P) for p in range(12, 16)] == [
-        flat_bytes(indexer, p * P) for p in range(4)
-    ]
+    assert c.prefetch(KEYS[:4], dest, load) == (4 * P, {"mamba": 1})  # the indexer counts in the KV pages
+    for pool in (kv, indexer):
+        assert [flat_bytes(pool, p * P) for p in dest] == [flat_bytes(pool, p * P) for p in range(4)]
     assert flat_bytes(state, 9) == flat_bytes(state, 0)
     middle = PoolTransfer(name=INDEXER, host_indices=torch.arange(12 * P, 15 * P), keys=KEYS[4:7])
     assert c.ctl.storage_backend.batch_get_v2([middle]) == {INDEXER: [True, False, True]}
 
 
-@pytest.mark.parametrize("indexers", ["dsa", "qsa", "dsa-generic"])
+@pytest.mark.parametrize("indexers", ["qsa", "dsa-generic"])
 def test_mamba_state_and_indexer_answer_and_load_as_hicache_file(
     indexers: str, fs: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Mamba state beside a DSA indexer over MLA KV, and beside a QSA indexer over MHA KV; KV
-    through the v1 path, or (without `interface_v1`) SGLang's generic flat-page path."""
+    """Mamba state beside a QSA indexer over MHA KV, and beside a DSA indexer with the KV pages
+    through SGLang's generic (flat page) path, not the v1 one (the DSA indexer over v1 KV runs
+    through every tier below)."""
     kv, indexer = qsa_pools(tokens=2048) if indexers == "qsa" else dsa_pools(tokens=2048)
     state = mamba_pool()
     pools = {INDEXER: indexer, MAMBA: state}
@@ -153,7 +203,7 @@ def test_mamba_state_and_indexer_answer_and_load_as_hicache_file(
     ours, c = attach("ours", fs, kv, pools, tmp_path, **generic)
     _, f = attach("file", None, kv, pools, tmp_path)
     try:
-        assert store_mamba_indexer_chain(c) == store_mamba_indexer_chain(f) == [4 * P, P, P, 2 * P, 4 * P]
+        assert store_mamba_indexer_chain(c) == store_mamba_indexer_chain(f) == STORED
         answers = mamba_indexer_answers(c)
         assert answers == mamba_indexer_answers(f)
         assert answers == MAMBA_INDEXER_EXPECTED
@@ -163,64 +213,26 @@ def test_mamba_state_and_indexer_answer_and_load_as_hicache_file(
         ours.close()
 
 
-@pytest.mark.parametrize("kind", ["redis", "memory", "fs-sealed"])
-def test_every_tier_answers_and_loads_the_same(
-    kind: str, fs: dict[str, Any], tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    """Redis, memory and a sealed fs tier: the answers and bytes of the fs run above; a restart
-    over the same storage (redis, sealed fs) finds and loads it all again."""
-    if kind == "redis":
-        tier = {"type": "redis", "url": request.getfixturevalue("redis_server").url, "prefix": "hybrid"}
-    elif kind == "memory":
-        tier = {"type": "memory"}
-    else:
-        tier = {**fs, "secret_env": request.getfixturevalue("tier_secret_env")}
-    kv, indexer = dsa_pools(tokens=2048)
-    state = mamba_pool()
-    pools = {INDEXER: indexer, MAMBA: state}
-    ours, c = attach("ours", tier, kv, pools, tmp_path, model=f"org/hybrid-{kind}")
-    try:
-        store_mamba_indexer_chain(c)
-        assert mamba_indexer_answers(c) == MAMBA_INDEXER_EXPECTED
-        check_mamba_indexer_loads(c, kv, indexer, state)
-        if kind == "fs-sealed":
-            assert ours.tier_stats()["sealed"] is True
-    finally:
-        ours.close()
-    if kind == "memory":
-        return  # process memory: nothing outlives the backend
-    again, c2 = attach("ours", tier, kv, pools, tmp_path, model=f"org/hybrid-{kind}")
-    try:
-        assert mamba_indexer_answers(c2) == MAMBA_INDEXER_EXPECTED
-        check_mamba_indexer_loads(c2, kv, indexer, state)
-    finally:
-        again.close()
-    if kind == "fs-sealed":  # without the secret, nothing is found
-        plain, c3 = attach("ours", fs, kv, pools, tmp_path, model=f"org/hybrid-{kind}")
-        try:
-            assert c3.query(TOKENS[: 12 * P], c3.hit_transfers({MAMBA: 1}, [INDEXER]))[0] == 0
-        finally:
-            plain.close()
-
-
-def test_three_controller_threads_at_once_then_a_restart_and_close_leave_no_thread(
-    fs: dict[str, Any], tmp_path: Path
+def test_mamba_state_and_indexer_from_three_threads_a_restart_and_close_through_every_tier(
+    tier: Tier, fs: dict[str, Any], tmp_path: Path
 ) -> None:
     """Backup, hit query and prefetch threads at once (as SGLang's controller runs them); then the
-    answers are HiCacheFile's, a restart over the same root gives them again, and close leaves no
-    thread of ours behind."""
+    answers and loads are HiCacheFile's, a restarted backend over the same storage gives them
+    again (the memory tier keeps nothing past its backend: a restart finds nothing), and close
+    leaves no thread of ours behind. A sealed tier is sealed, and read without its secret holds
+    nothing."""
     before = set(threading.enumerate())
     kv, indexer = dsa_pools(tokens=2048)
     state = mamba_pool()
     pools = {INDEXER: indexer, MAMBA: state}
-    ours, c = attach("ours", fs, kv, pools, tmp_path)
+    ours, c = tier.attach("ours", kv, pools, tmp_path)
     first_node = threading.Event()
     errors: list[BaseException] = []
 
     def backup() -> None:
         c.backup(KEYS, Span(range(0, 4), [INDEXER], {MAMBA: (torch.tensor([0]), 1)}))
         first_node.set()
-        store_mamba_indexer_chain(c)
+        assert store_mamba_indexer_chain(c) == STORED
 
     def query() -> None:
         first_node.wait(timeout=60)
@@ -252,17 +264,32 @@ def test_three_controller_threads_at_once_then_a_restart_and_close_leave_no_thre
             thread.join()
         assert not errors, errors
         _, f = attach("file", None, kv, pools, tmp_path)
-        store_mamba_indexer_chain(f)
+        assert store_mamba_indexer_chain(f) == STORED
         assert mamba_indexer_answers(c) == mamba_indexer_answers(f) == MAMBA_INDEXER_EXPECTED
-        assert [flat_bytes(indexer, p * P) for p in range(16, 20)] == [
-            flat_bytes(indexer, p * P) for p in range(4)
-        ]
+        for pool in (kv, indexer):
+            assert [flat_bytes(pool, p * P) for p in range(16, 20)] == [
+                flat_bytes(pool, p * P) for p in range(4)
+            ]
+        check_mamba_indexer_loads(c, kv, indexer, state)
+        assert ours.tier_stats().get("sealed", False) is (tier.kind == "fs-sealed")
     finally:
         ours.close()
-    again, c2 = attach("ours", fs, kv, pools, tmp_path)
-    assert mamba_indexer_answers(c2) == MAMBA_INDEXER_EXPECTED
-    again.close()
-    again.close()  # idempotent
+    again, c2 = tier.attach("ours", kv, pools, tmp_path)
+    try:
+        if tier.persists:
+            assert mamba_indexer_answers(c2) == MAMBA_INDEXER_EXPECTED
+            check_mamba_indexer_loads(c2, kv, indexer, state)
+        else:  # process memory: nothing outlives the backend
+            assert c2.query(TOKENS[: 12 * P], c2.hit_transfers({MAMBA: 1}, [INDEXER]))[0] == 0
+    finally:
+        again.close()
+        again.close()  # idempotent
+    if tier.kind == "fs-sealed":  # without the secret, nothing is found
+        plain, c3 = attach("ours", fs, kv, pools, tmp_path)
+        try:
+            assert c3.query(TOKENS[: 12 * P], c3.hit_transfers({MAMBA: 1}, [INDEXER]))[0] == 0
+        finally:
+            plain.close()
     started = [t for t in threading.enumerate() if t not in before]
     for thread in started:  # worker threads leave once their queue is empty: wait for that
         thread.join(timeout=30)
@@ -273,10 +300,11 @@ def test_three_controller_threads_at_once_then_a_restart_and_close_leave_no_thre
 
 # -- pool set 2: sliding windows, and draft pools registered late ----------------------------------------
 def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_file(
-    fs: dict[str, Any], tmp_path: Path
+    tier: Tier, tmp_path: Path
 ) -> None:
     """gpt-oss / Gemma style: full-attention KV plus a 2-page sliding window (TRAILING_PAGES);
-    the draft model's KV and window pools arrive after start-up (`register_mem_host_pool_v2`)."""
+    the draft model's KV and window pools arrive after start-up (`register_mem_host_pool_v2`).
+    Ours, HiCacheFile, then ours restarted over the same storage (where the tier keeps it)."""
     page = 16
     kv, swa = mha_pool("page_first", tokens=1024), mha_pool("page_first", layers=2, tokens=512)
     draft, draft_swa = (
@@ -285,19 +313,21 @@ def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_
     )
     tokens, keys = chain(16, page, seed=3)
     answers: dict[str, list[Any]] = {}
-    for kind in ("ours", "file"):
-        backend, c = attach(kind, fs, kv, {SWA: swa}, tmp_path)
+    for run, kind in enumerate(["ours", "file"] + (["restarted"] if tier.persists else [])):
+        backend, c = tier.attach("file" if kind == "file" else "ours", kv, {SWA: swa}, tmp_path)
         try:
 
             def window(first: int) -> torch.Tensor:
                 return torch.arange(first * page, (first + 2) * page)
 
-            c.backup(keys, Span(range(0, 4), [], {SWA: (window(0), 2)}))
-            c.backup(keys, Span(range(4, 8), [], {SWA: (window(2), 2)}))
+            if kind != "restarted":
+                c.backup(keys, Span(range(0, 4), [], {SWA: (window(0), 2)}))
+                c.backup(keys, Span(range(4, 8), [], {SWA: (window(2), 2)}))
             for name, pool in ((DRAFT, draft), (DRAFT_SWA, draft_swa)):  # the draft model arrives
                 backend.register_mem_host_pool_v2(pool, name)
                 c.ctl.mem_pool_host.entry_map[name] = type("Entry", (), {"host_pool": pool})
-            c.backup(keys, Span(range(8, 12), [DRAFT], {SWA: (window(4), 2), DRAFT_SWA: (window(6), 2)}))
+            if kind != "restarted":
+                c.backup(keys, Span(range(8, 12), [DRAFT], {SWA: (window(4), 2), DRAFT_SWA: (window(6), 2)}))
             target, drafted = c.hit_transfers({SWA: 2}, []), c.hit_transfers({SWA: 2, DRAFT_SWA: 2}, [DRAFT])
             answers[kind] = [
                 c.query(tokens[: 12 * page], target),
@@ -306,9 +336,9 @@ def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_
                 c.query(tokens[8 * page : 12 * page], drafted, last_hash=keys[7], prefix_keys=keys[:8]),
                 c.query(tokens, target),
             ]
-            # A prefetch of pages 8-11: KV and draft KV into host pages 40-43 (50-53), the
-            # window's last two pages into SWA pages 20-21 (24-25), re-aligned by SGLang.
-            dest, swa_dest = (40, 20) if kind == "ours" else (50, 24)
+            # A prefetch of pages 8-11: KV and draft KV into host pages 40-43 (48-51, 56-59), the
+            # window's last two pages into SWA pages 20-21 (24-25, 28-29), re-aligned by SGLang.
+            dest, swa_dest = 40 + 8 * run, 20 + 4 * run
             load = [
                 PoolTransfer(name=DRAFT, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES),
                 PoolTransfer(
@@ -330,9 +360,9 @@ def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_
                 flat_bytes(swa, p * page) for p in (4, 5)
             ]
         finally:
-            if kind == "ours":
+            if kind != "file":
                 backend.close()
-    assert answers["ours"] == answers["file"]
+    assert answers["ours"] == answers["file"] == answers.get("restarted", answers["ours"])
     assert answers["ours"] == [
         (12 * page, [4, 8, 12], {"kv": 12, "swa": 12}),
         (4 * page, [4], {"kv": 7, "swa": 4}),
@@ -343,19 +373,27 @@ def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_
 
 
 # -- pool set 3: DeepSeek V3.2 (MLA + DSA indexer) in every layout --------------------------------------
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(
-    layout: str, fs: dict[str, Any], tmp_path: Path
-) -> None:
+@pytest.mark.parametrize(
+    "layout, tier",  # every layout and every tier once (a layout's pages are the same bytes on any tier)
+    [
+        ("layer_first", "fs"),
+        ("page_first", "redis"),
+        ("page_first_direct", "memory"),
+        ("page_first", "fs-sealed"),
+    ],
+    indirect=["tier"],
+)
+def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(layout: str, tier: Tier, tmp_path: Path) -> None:
     kv, indexer = dsa_pools(layout, tokens=1024)
     tokens, keys = chain(8, P, seed=5)
     answers = {}
-    for kind in ("ours", "file"):
-        backend, c = attach(kind, fs, kv, {INDEXER: indexer}, tmp_path)
+    for run, kind in enumerate(["ours", "file"] + (["restarted"] if tier.persists else [])):
+        backend, c = tier.attach("file" if kind == "file" else "ours", kv, {INDEXER: indexer}, tmp_path)
         try:
-            c.backup(keys, Span(range(0, 3), [INDEXER]))
-            c.backup(keys, Span(range(3, 4)))  # page 3: KV without its indexer page
-            c.backup(keys, Span(range(4, 6), [INDEXER]))
+            if kind != "restarted":
+                c.backup(keys, Span(range(0, 3), [INDEXER]))
+                c.backup(keys, Span(range(3, 4)))  # page 3: KV without its indexer page
+                c.backup(keys, Span(range(4, 6), [INDEXER]))
             answers[kind] = [
                 c.query(tokens[: 6 * P], c.hit_transfers({}, [INDEXER])),
                 c.query(
@@ -365,7 +403,7 @@ def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(
                     prefix_keys=keys[:4],
                 ),
             ]
-            dest = 8 if kind == "ours" else 11
+            dest = 7 + 3 * run  # host pages 7-9, 10-12, 13-15
             load = [PoolTransfer(name=INDEXER, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)]
             assert c.prefetch(keys[:3], [dest, dest + 1, dest + 2], load) == (3 * P, {})
             for pool in (kv, indexer):
@@ -373,9 +411,9 @@ def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(
                     flat_bytes(pool, i * P) for i in range(3)
                 ]
         finally:
-            if kind == "ours":
+            if kind != "file":
                 backend.close()
-    assert answers["ours"] == answers["file"]
+    assert answers["ours"] == answers["file"] == answers.get("restarted", answers["ours"])
     assert answers["ours"] == [
         (3 * P, [1, 2, 3], {"kv": 6, "indexer": 3}),
         (2 * P, [1, 2], {"kv": 2, "indexer": 2}),
@@ -383,20 +421,30 @@ def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(
 
 
 # -- pool set 4: MLA + Mamba at TP 2 ----------------------------------------------------------------
-def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(fs: dict[str, Any], tmp_path: Path) -> None:
+def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(tier: Tier, tmp_path: Path) -> None:
     """Kimi-Linear style: one MLA KV copy for both ranks (rank 0 writes it), Mamba state per rank;
-    rank 1 holds a state only at the first node, so the ranks restore different lengths."""
-    fs = {**fs, "refresh_interval_s": 0}  # rank 1 looks at rank 0's new KV pages on every miss
+    rank 1 holds a state only at the first node, so the ranks restore different lengths. Ours,
+    HiCacheFile, then ours restarted over the same storage (where the tier keeps it)."""
+    if tier.config["type"] == "fs":  # rank 1 looks at rank 0's new KV pages on every miss
+        tier = replace(tier, config={**tier.config, "refresh_interval_s": 0})
     kv = mla_pool("page_first", tokens=1024)
     states = [mamba_pool(), mamba_pool()]
     tokens, keys = chain(8, P, seed=9)
     answers: dict[str, list[Any]] = {}
-    for kind in ("ours", "file"):
+    for run, kind in enumerate(["ours", "file"] + (["restarted"] if tier.persists else [])):
         ranks = [
-            attach(kind, fs, kv, {MAMBA: states[rank]}, tmp_path, tp_rank=rank, tp_size=2) for rank in (0, 1)
+            tier.attach(
+                "file" if kind == "file" else "ours",
+                kv,
+                {MAMBA: states[rank]},
+                tmp_path,
+                tp_rank=rank,
+                tp_size=2,
+            )
+            for rank in (0, 1)
         ]
         try:
-            for rank, (_, c) in enumerate(ranks):
+            for rank, (_, c) in enumerate(ranks if kind != "restarted" else []):
                 c.backup(keys, Span(range(0, 4), [], {MAMBA: (torch.tensor([0]), 1)}))
                 if rank == 0:
                     c.backup(keys, Span(range(4, 8), [], {MAMBA: (torch.tensor([1]), 1)}))
@@ -404,15 +452,20 @@ def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(fs: dict[str, Any], tmp_p
                     c.backup(keys, Span(range(4, 8)))
             answers[kind] = [c.query(tokens, c.hit_transfers({MAMBA: 1}, [])) for _, c in ranks]
             for rank, (_, c) in enumerate(ranks):
-                load = PoolTransfer(name=MAMBA, host_indices=torch.tensor([5 + rank]), keys=[keys[3]])
+                slot = 5 + 2 * run + rank  # slots 5-6, 7-8, 9-10: each load into slots never loaded
+                load = PoolTransfer(name=MAMBA, host_indices=torch.tensor([slot]), keys=[keys[3]])
                 assert c.ctl.storage_backend.batch_get_v2([load]) == {MAMBA: [True]}
-                assert flat_bytes(states[rank], 5 + rank) == flat_bytes(states[rank], 0)  # its own state
+                assert flat_bytes(states[rank], slot) == flat_bytes(states[rank], 0)  # its own state
         finally:
             for backend, _ in ranks:
-                if kind == "ours":
+                if kind != "file":
                     backend.close()
-    assert answers["ours"] == answers["file"]
-    assert answers["ours"] == [(8 * P, [4, 8], {"kv": 8, "mamba": 8}), (4 * P, [4], {"kv": 8, "mamba": 4})]
+    expected = [(8 * P, [4, 8], {"kv": 8, "mamba": 8}), (4 * P, [4], {"kv": 8, "mamba": 4})]
+    assert answers["file"] == expected
+    if tier.shared:
+        assert answers["ours"] == answers.get("restarted", answers["ours"]) == expected
+    else:  # rank-local memory: rank 1, never a KV writer in SGLang, never sees rank 0's KV copy
+        assert answers["ours"] == [expected[0], (0, [], {"kv": 0})]
 
 
 # -- layouts and bad input ------------------------------------------------------------------------------
