@@ -468,6 +468,35 @@ def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(tier: Tier, tmp_path: Pat
         assert answers["ours"] == [expected[0], (0, [], {"kv": 0})]
 
 
+def test_an_mha_draft_pool_beside_mla_kv_is_per_rank_at_tp2(fs: dict[str, Any], tmp_path: Path) -> None:
+    """An MHA draft model beside an MLA target (SGLang's own case: its controller gives such draft
+    pools rank-specific keys on Mooncake): the draft's heads are split across TP ranks, so each
+    rank's draft page is its own bytes. Rank 1 never reads rank 0's draft shard as its own."""
+    fs = {**fs, "refresh_interval_s": 0}
+    kv = mla_pool("page_first", tokens=1024)
+    drafts = [mha_pool("page_first", page_size=P, tokens=1024) for _ in range(2)]  # each rank's heads
+    _, keys = chain(4, P, seed=11)
+    ranks = [
+        attach("ours", fs, kv, {DRAFT: drafts[rank]}, tmp_path, tp_rank=rank, tp_size=2) for rank in (0, 1)
+    ]
+    try:
+        (writer, c0), (reader, _) = ranks
+        c0.backup(keys, Span(range(0, 4), [DRAFT]))  # rank 0, the writer: KV and its draft shard
+        dest = torch.arange(8 * P, 12 * P)
+        assert reader.batch_get_v2([PoolTransfer(name=DRAFT, host_indices=dest, keys=keys)]) == {
+            DRAFT: [False] * 4
+        }
+        assert writer.batch_get_v2([PoolTransfer(name=DRAFT, host_indices=dest, keys=keys)]) == {
+            DRAFT: [True] * 4
+        }
+        assert [flat_bytes(drafts[0], (8 + i) * P) for i in range(4)] == [
+            flat_bytes(drafts[0], i * P) for i in range(4)
+        ]
+    finally:
+        for backend, _ in ranks:
+            backend.close()
+
+
 # -- layouts and bad input ------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_every_layout_of_an_extra_pool_round_trips_byte_exact(

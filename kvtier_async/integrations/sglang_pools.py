@@ -23,7 +23,10 @@ rarely a multiple of 4096 bytes.
 
 Ranks. SGLang keeps Mamba state per tensor-parallel rank even where the model's MLA KV is one
 copy shared by all ranks (HiCacheFile's file names say the same): the Mamba pool's namespace
-always carries the TP rank; every other pool follows the KV pages (per rank, except MLA).
+always carries the TP rank. So does an MHA pool beside MLA KV (an MHA draft model: each rank
+holds its share of the heads, so its pages differ per rank; SGLang's controller writes them on
+TP rank 0 only, so the other ranks find none rather than rank 0's heads). Every other pool
+follows the KV pages (per rank, except MLA).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from ..errors import ConfigError, InvalidArgumentError
 from ..spec import OffloadingSpec
@@ -67,6 +71,9 @@ RUN_COPY_POOLS = {
 }
 #: Pools whose pages differ per tensor-parallel rank even for an MLA model (SGLang's own rule).
 PER_RANK_POOLS = frozenset({PoolName.MAMBA})
+#: Host pool classes whose pages hold one TP rank's share of the heads, whatever the KV pages
+#: are: per rank even beside MLA KV.
+HEAD_SHARDED_POOLS = (MHATokenToKVPoolHost,)
 #: Attributes of a host pool that decide its pages' bytes, where the pool has them.
 GEOMETRY_ATTRIBUTES = (
     "dtype",
@@ -253,7 +260,9 @@ class ExtraPools:
                 return None
             raise ConfigError(f"kvtier SGLang backend: host pool '{name}' registered twice, with two pools")
         pages = FlatPages.of(name, pool)
-        per_rank = name in PER_RANK_POOLS or not self.config.is_mla_model
+        per_rank = (
+            name in PER_RANK_POOLS or not self.config.is_mla_model or isinstance(pool, HEAD_SHARDED_POOLS)
+        )
         namespace = pool_namespace(self.config, pages.geometry(name, pool), per_rank=per_rank)
         layout = BlockLayout.packed_page(pages.page_nbytes)
         slots = PageSlots(pages, layout, EXTRA_POOL_SLOT_BYTES)
