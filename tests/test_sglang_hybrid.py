@@ -40,6 +40,7 @@ from sglang_hybrid_env import (
 )
 
 from kvtier_async.errors import ConfigError, InvalidArgumentError
+from kvtier_async.integrations import sglang, sglang_pools
 from kvtier_async.integrations.sglang import KVTierHiCacheStorage
 from kvtier_async.integrations.sglang_hits import hit_answer
 from kvtier_async.integrations.sglang_pools import FlatPages, PoolRuns
@@ -591,6 +592,46 @@ def test_pools_never_share_pages_and_bad_input_is_refused(fs: dict[str, Any], tm
     finally:
         backend.close()
         other.close()
+
+
+def test_a_page_evicted_while_its_batch_is_stored_is_not_answered_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch larger than a pool's page slots is stored in parts; a tier with room for four
+    state pages evicts the first parts while the last are stored. Those pages must not be
+    remembered as present: the hit answer is what the tier holds, and what it answers loads."""
+    monkeypatch.setattr(sglang_pools, "EXTRA_POOL_SLOT_BYTES", 4 * 16384)  # parts of two state pages
+    kv = mha_pool("page_first", heads=1, head_dim=64, layers=1, tokens=512)  # 4 KiB pages: 16 fit
+    state = mamba_pool()  # 16 KiB pages: 4 fit
+    backend, _ = attach("ours", {"type": "memory", "capacity_bytes": 65536}, kv, {MAMBA: state}, tmp_path)
+    try:
+        _, keys = chain(8, 16, seed=13)
+        assert backend.batch_set_v1(keys, torch.arange(8 * 16)) == [True] * 8
+        stored = backend.batch_set_v2([PoolTransfer(name=MAMBA, host_indices=torch.arange(8), keys=keys)])
+        assert stored == {MAMBA: [True] * 8}  # each part was stored whole when it was stored
+        answer = backend.batch_exists_v2(keys, [PoolTransfer(name=MAMBA, hit_policy=PoolHitPolicy.ALL_PAGES)])
+        loaded = backend.batch_get_v2([PoolTransfer(name=MAMBA, host_indices=torch.arange(8, 16), keys=keys)])
+        assert loaded == {MAMBA: [False] * 4 + [True] * 4}  # the first four were evicted
+        assert (answer.kv_hit_pages, answer.extra_pool_hit_pages) == (0, {"kv": 8})
+    finally:
+        backend.close()
+
+
+def test_a_kv_page_evicted_while_its_batch_is_stored_is_not_answered_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for packed KV pages (copied through page slots in parts): `batch_exists` answers
+    what the tier holds, not what each part stored before a later part evicted it."""
+    monkeypatch.setattr(sglang, "PAGE_SLOT_BYTES", 4 * 4096)  # parts of two KV pages
+    kv = mha_pool("page_first", heads=1, head_dim=64, layers=1, tokens=512)  # 4 KiB pages: 4 fit
+    backend, _ = attach("ours", {"type": "memory", "capacity_bytes": 4 * 4096}, kv, {}, tmp_path)
+    try:
+        _, keys = chain(8, 16, seed=17)
+        assert backend.batch_set_v1(keys, torch.arange(8 * 16)) == [True] * 8
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys[:1], torch.arange(8 * 16, 9 * 16)) == [False]  # evicted
+    finally:
+        backend.close()
 
 
 # -- BLOCK_GROUPS: HiCacheFile refuses it; ours answers whole groups --------------------------------------

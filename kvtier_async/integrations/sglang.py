@@ -60,7 +60,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -315,12 +315,11 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             def gather(i: int, page: torch.Tensor) -> None:
                 torch.index_select(runs.rows_tensor, 0, table[i], out=page)
 
-            stored = self._staged_pages().store(pages, gather)
+            stored = self._staged_pages().store(pages, gather, self._settle_known)
         else:
-            results = bridge.call(self._in_place_tier().store(layout.keys(pages), rows))
-            stored = layout.per_page(results)
+            moved = self._in_place_tier().store(layout.keys(pages), rows)
+            stored = bridge.call(self._settled(pages, moved, layout))
         self._record("backup_pgs", "set_gbps", sum(stored), runs, started)
-        self._remember([page for page, ok in zip(pages, stored) if ok])
         return stored
 
     def batch_get_v1(
@@ -340,11 +339,11 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             def scatter(i: int, page: torch.Tensor) -> None:
                 runs.rows_array[rows_of[i]] = page.numpy()
 
-            loaded = self._staged_pages().load(pages, scatter)
+            loaded = self._staged_pages().load(pages, scatter, self._settle_known)
         else:
-            loaded = layout.per_page(bridge.call(self._in_place_tier().load(layout.keys(pages), rows)))
+            moved = self._in_place_tier().load(layout.keys(pages), rows)
+            loaded = bridge.call(self._settled(pages, moved, layout))
         self._record("prefetch_pgs", "get_gbps", sum(loaded), runs, started)
-        self._settle_known(pages, loaded)
         return loaded
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -360,11 +359,10 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         if first_unknown == len(pages):
             return len(pages)  # answered from memory: no thread crossing
         rest = pages[first_unknown:]
-        present = bridge.call(tier.lookup_each(layout.keys(rest), stop_at_miss=True))
-        whole = layout.per_page(present)
-        found = next((i for i, ok in enumerate(whole) if not ok), len(whole))
-        self._remember(rest[:found])
-        return first_unknown + found
+        whole = bridge.call(
+            self._settled(rest, tier.lookup_each(layout.keys(rest), stop_at_miss=True), layout)
+        )
+        return first_unknown + next((i for i, ok in enumerate(whole) if not ok), len(whole))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -482,9 +480,8 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             else:
                 torch.index_select(flats[i], 0, runs_from, out=page)
 
-        stored = self._staged_pages().store(pages, fill)
+        stored = self._staged_pages().store(pages, fill, self._settle_known)
         self._record("backup_pgs", "set_gbps", sum(stored), runs, started)
-        self._remember([page for page, ok in zip(pages, stored) if ok])
         return all(stored)
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
@@ -509,9 +506,8 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             else:  # flat piece j is run order[j]
                 torch.index_select(page, 0, order, out=flats[i])
 
-        loaded = self._staged_pages().load(pages, drain)
+        loaded = self._staged_pages().load(pages, drain, self._settle_known)
         self._record("prefetch_pgs", "get_gbps", sum(loaded), runs, started)
-        self._settle_known(pages, loaded)
         return [target if ok else None for target, ok in zip(targets, loaded)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -543,11 +539,18 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         return order
 
     # -- what this backend knows the tier holds ------------------------------------------------------
-    def _remember(self, pages: Sequence[bytes]) -> None:
-        with self._lock:
-            self._known.add(pages)
+    async def _settled(
+        self, pages: list[bytes], moved: Awaitable[list[bool]], layout: BlockLayout
+    ) -> list[bool]:
+        """Per page, whether `moved` (the tier's store, load or lookup of its blocks) found it whole,
+        remembered or forgotten on the loop before any removal the tier reports afterwards (a
+        page remembered on the calling thread could be one evicted in between)."""
+        whole = layout.per_page(await moved)
+        self._settle_known(pages, whole)
+        return whole
 
     def _settle_known(self, pages: Sequence[bytes], loaded: Sequence[bool]) -> None:
+        """Remember the pages stored, loaded or found whole; forget the others (their order)."""
         with self._lock:
             self._known.add(page for page, ok in zip(pages, loaded) if ok)
             self._known.forget(page for page, ok in zip(pages, loaded) if not ok)

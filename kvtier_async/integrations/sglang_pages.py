@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -254,14 +254,24 @@ class PageSlots:
                 self._changed.notify_all()
 
 
+#: Told, on the tier's loop, which pages of a part were stored or loaded whole (True) or not.
+Outcome = Callable[[list[bytes], list[bool]], None]
+
+
 class StagedPages:
     """Pages copied through page slots: a tier whose primary memory is the slots. The copies run on
-    the calling (SGLang) thread; each batch leases its slots, so SGLang's threads move at once."""
+    the calling (SGLang) thread; each batch leases its slots, so SGLang's threads move at once.
+
+    `outcome` (optional) hears each part's result on the tier's loop, as soon as the tier gives
+    it: before any removal the tier reports afterwards (a later part's store evicting this one's
+    pages, another thread's store), so what it remembers is never older than a removal."""
 
     def __init__(self, tier: KVTier, slots: PageSlots, bridge: LoopThread) -> None:
         self.tier, self.slots, self.bridge = tier, slots, bridge
 
-    def store(self, pages: list[bytes], fill: Callable[[int, torch.Tensor], None]) -> list[bool]:
+    def store(
+        self, pages: list[bytes], fill: Callable[[int, torch.Tensor], None], outcome: Outcome | None = None
+    ) -> list[bool]:
         """Store `pages`, `fill(i, slot page)` putting page i's runs into its slot first."""
         layout, stored = self.slots.layout, []
         for start in range(0, len(pages), self.slots.chunk):
@@ -269,20 +279,32 @@ class StagedPages:
             with self.slots.lease(len(part)) as leased:
                 for i, slot in enumerate(leased):
                     fill(start + i, self.slots.page(slot))
-                results = self.bridge.call(self.tier.store(layout.keys(part), self.slots.block_ids(leased)))
-            stored += layout.per_page(results)
+                ids = self.slots.block_ids(leased)
+                stored += self.bridge.call(self._told(part, self.tier.store(layout.keys(part), ids), outcome))
         return stored
 
-    def load(self, pages: list[bytes], drain: Callable[[int, torch.Tensor], None]) -> list[bool]:
+    def load(
+        self, pages: list[bytes], drain: Callable[[int, torch.Tensor], None], outcome: Outcome | None = None
+    ) -> list[bool]:
         """Load `pages`, `drain(i, slot page)` taking page i's runs from its slot where it arrived."""
         layout, loaded = self.slots.layout, []
         for start in range(0, len(pages), self.slots.chunk):
             part = pages[start : start + self.slots.chunk]
             with self.slots.lease(len(part)) as leased:
-                results = self.bridge.call(self.tier.load(layout.keys(part), self.slots.block_ids(leased)))
-                arrived = layout.per_page(results)
+                ids = self.slots.block_ids(leased)
+                arrived = self.bridge.call(self._told(part, self.tier.load(layout.keys(part), ids), outcome))
                 for i, (slot, ok) in enumerate(zip(leased, arrived)):
                     if ok:
                         drain(start + i, self.slots.page(slot))
             loaded += arrived
         return loaded
+
+    async def _told(
+        self, part: list[bytes], moved: Awaitable[list[bool]], outcome: Outcome | None
+    ) -> list[bool]:
+        """Per page of `part`, whether `moved` (the tier's store or load of its blocks) moved it
+        whole; `outcome` told on the loop, with nothing else run in between."""
+        whole = self.slots.layout.per_page(await moved)
+        if outcome is not None:
+            outcome(part, whole)
+        return whole

@@ -332,10 +332,7 @@ class ExtraPools:
             flat = pool.get_data_page(starts[i], flat=True)
             page.view(-1).copy_(flat.contiguous().view(torch.uint8).reshape(-1))
 
-        stored = entry.staged.store(pages, fill)
-        with self._lock:
-            entry.known.add(page for page, ok in zip(pages, stored) if ok)
-        return stored
+        return entry.staged.store(pages, fill, lambda part, ok: self._settle(entry, part, ok))
 
     def load(self, name: str, pages: list[bytes], host_indices: Any) -> list[bool]:
         """Load pool `name`'s pages into their host slots; True per page that arrived whole."""
@@ -355,9 +352,7 @@ class ExtraPools:
                 return
             pool.set_from_flat_data_page(starts[i], page.view(-1).view(dtype))
 
-        loaded = entry.staged.load(pages, drain)
-        self._settle(entry, pages, loaded)
-        return loaded
+        return entry.staged.load(pages, drain, lambda part, ok: self._settle(entry, part, ok))
 
     def clear(self) -> None:
         """Delete the pages of every pool this backend remembers (as `clear` does for KV)."""
@@ -368,6 +363,8 @@ class ExtraPools:
                 self.bridge.call(entry.staged.tier.delete(entry.layout.keys(pages)))
 
     def _settle(self, entry: _Pool, pages: Sequence[bytes], found: Sequence[bool]) -> None:
+        """Remember the pages found (stored, loaded) whole; forget the others. On the tier's loop
+        for stores and loads (`StagedPages`), so never after a removal the tier reported since."""
         with self._lock:
             entry.known.add(page for page, ok in zip(pages, found) if ok)
             entry.known.forget(page for page, ok in zip(pages, found) if not ok)
