@@ -583,6 +583,8 @@ def test_pools_never_share_pages_and_bad_input_is_refused(fs: dict[str, Any], tm
             backend.batch_set_v2([PoolTransfer(name=SWA, host_indices=torch.arange(P), keys=[KEYS[0]])])
         short = PoolTransfer(name=INDEXER, host_indices=torch.arange(P), keys=KEYS[:2])
         assert backend.batch_get_v2([short]) == {INDEXER: [False, False]}
+        short_kv = PoolTransfer(name=KV, host_indices=torch.arange(P), keys=KEYS[:2])  # KV named as a pool
+        assert backend.batch_set_v2([short_kv]) == backend.batch_get_v2([short_kv]) == {KV: [False, False]}
         bad = PoolTransfer(name=INDEXER, hit_policy="every_other_page")  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError, match="every_other_page"):
             backend.batch_exists_v2(KEYS[:2], [bad])

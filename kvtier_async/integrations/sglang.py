@@ -432,13 +432,21 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None, *, store: bool
     ) -> dict[str, list[bool]]:
         pools = self._extra_pools()
+        kv_page_size = self._ready()[1].page_size
         results: dict[str, list[bool]] = {}
         for transfer in transfers:
             name = _pool_name(transfer.name)
             keys = list(transfer.keys or [])
             if name == PoolName.KV:  # the KV pages themselves, named by KV host slots
+                indices = transfer.host_indices
+                if keys and not (
+                    isinstance(indices, torch.Tensor) and indices.numel() == len(keys) * kv_page_size
+                ):  # every entry fails, as HiCacheFile's and the extra pools' do (SGLang relies on it)
+                    log.error("kvtier SGLang backend: kv: host indices do not cover %d pages", len(keys))
+                    results[transfer.name] = [False] * len(keys)
+                    continue
                 move = self.batch_set_v1 if store else self.batch_get_v1
-                results[transfer.name] = move(keys, transfer.host_indices, extra_info) if keys else []
+                results[transfer.name] = move(keys, indices, extra_info) if keys else []
                 continue
             pages = [_page_key(key) for key in keys]
             move_pool = pools.store if store else pools.load
