@@ -32,11 +32,13 @@ TESTS = Path(__file__).parent
 SPEC = mooncake_process.SPEC
 
 
-SEGMENT_BYTES = 64 << 20
+#: Room for the contract kit's largest call (64 x 1 MiB blocks with their headers) and more:
+#: with 64 MiB the master refused part of that call's writes (Mooncake error -200).
+SEGMENT_BYTES = 128 << 20
 
 
 def config(master: servers.MooncakeMaster | str, **kwargs: Any) -> dict[str, Any]:
-    # Every test its own names in the shared pool; this process gives the pool 64 MiB.
+    # Every test its own names in the shared pool; this process gives the pool 128 MiB.
     return {
         "type": "mooncake",
         "master": master if isinstance(master, str) else master.address,
