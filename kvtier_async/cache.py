@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -158,7 +158,9 @@ class TieredKVCache(AsyncResource):
         return self.copy_engine.num_device_blocks
 
     # -- store -----------------------------------------------------------------------------------
-    async def store(self, keys: Sequence[bytes], device_block_ids: Sequence[int], after: Any = None) -> int:
+    def store(
+        self, keys: Sequence[bytes], device_block_ids: Sequence[int], after: Any = None
+    ) -> Coroutine[Any, Any, int]:
         """Offload device blocks under `keys`; returns how many leading blocks were accepted.
 
         Keys already held count as accepted and are not copied again. Returns
@@ -170,11 +172,22 @@ class TieredKVCache(AsyncResource):
         `after` says what produced those blocks, so that the copy reads them only once that
         is done: a `torch.cuda.Event`, or a `torch.cuda.Stream` (its work queued so far). The
         default is the work queued so far on the calling thread's current stream of the
-        cache's device: pass the stream explicitly when the model writes its KV from another
-        thread or on a side stream. On a machine without CUDA, leave it None.
+        cache's device, at the moment of the call: pass the stream explicitly when the model
+        writes its KV from another thread or on a side stream. On a machine without CUDA,
+        leave it None.
+
+        Not a coroutine function, so that "the calling thread" is the thread that calls it:
+        the arguments are checked and the mark is taken here, at the call, and the returned
+        coroutine does the rest. `await cache.store(...)` reads as ever; a model thread may
+        hand `cache.store(...)` to `asyncio.run_coroutine_threadsafe`. Bad arguments, and a
+        closed cache, raise `InvalidArgumentError` / `ClosedError` at the call, before any
+        state changes and before a coroutine exists.
         """
         keys, ids = self._check_args(keys, device_block_ids)
         mark = self.copy_engine.mark(after, "after")  # now, on the calling thread
+        return self._store(keys, ids, mark)
+
+    async def _store(self, keys: list[bytes], ids: list[int], mark: Any) -> int:
         with self._operation():
             await self._open()
             return await self._stores.store(keys, ids, mark)
@@ -212,13 +225,13 @@ class TieredKVCache(AsyncResource):
         return found
 
     # -- load and prefetch --------------------------------------------------------------------------
-    async def load(
+    def load(
         self,
         keys: Sequence[bytes],
         device_block_ids: Sequence[int],
         timeout: float | None = None,
         consumer: Any = None,
-    ) -> int:
+    ) -> Coroutine[Any, Any, int]:
         """Copy the longest available prefix of `keys` into `device_block_ids`; returns its length.
 
         Blocks come from the primary tier, else from the first secondary tier
@@ -227,13 +240,21 @@ class TieredKVCache(AsyncResource):
 
         `consumer` is the `torch.cuda.Stream` that will read the blocks (or an event): the copy
         first waits for the work queued there so far (the device blocks' earlier readers);
-        default: the calling thread's current stream of the cache's device. The blocks are
-        complete when the call returns, for work queued afterwards on any stream: no stream is
-        made to wait on the copy. On a machine without CUDA, leave it None.
+        default: the calling thread's current stream of the cache's device, at the moment of
+        the call. The blocks are complete when the call returns, for work queued afterwards
+        on any stream: no stream is made to wait on the copy. On a machine without CUDA,
+        leave it None.
+
+        Like `store`, not a coroutine function: the arguments are checked and the mark is
+        taken at the call, on the calling thread (bad arguments and a closed cache raise
+        there), and the returned coroutine does the rest.
         """
         keys, ids = self._check_args(keys, device_block_ids)
         _check_timeout(timeout)
         mark = self.copy_engine.mark(consumer, "consumer")  # now, on the calling thread
+        return self._load(keys, ids, timeout, mark)
+
+    async def _load(self, keys: list[bytes], ids: list[int], timeout: float | None, mark: Any) -> int:
         with self._operation():
             await self._open()
             self.counters["load_calls"] += 1

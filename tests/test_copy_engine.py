@@ -5,13 +5,17 @@ the test decide when each chunk's copy ends), marks, and the CPU copies themselv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import threading
+from typing import ClassVar
 
 import pytest
 import torch
 
 import kvtier_async as kt
 from kvtier_async.copy_engine import CHUNKS_IN_FLIGHT, CopyEngine, _paired_runs, _slot_runs
+from kvtier_async.integrations.bridge import LoopThread
 
 
 def test_runs() -> None:
@@ -188,6 +192,97 @@ def test_marks_on_a_machine_without_cuda() -> None:
     with pytest.raises(kt.InvalidArgumentError, match="after takes a CUDA event or stream"):
         engine.mark(object(), "after")
     engine.close()
+
+
+class StubStream:
+    """Stands in for a `torch.cuda.Stream`: the thread whose current stream it is."""
+
+    def __init__(self, thread: str) -> None:
+        self.thread = thread
+
+
+class StubEvent:
+    """Stands in for a `torch.cuda.Event`: the stream it was recorded on, and whether a copy
+    waited for it."""
+
+    made: ClassVar[list[StubEvent]] = []
+
+    def __init__(self, **kwargs: object) -> None:
+        self.recorded_on: StubStream | None = None
+        self.waited = False
+        StubEvent.made.append(self)
+
+    def record(self, stream: StubStream) -> None:
+        self.recorded_on = stream
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+@pytest.fixture
+def stub_cuda_marks(monkeypatch: pytest.MonkeyPatch) -> type[StubEvent]:
+    """The part of `torch.cuda` that `CopyEngine.mark` uses, on a machine without CUDA: each
+    thread's current stream is its own, so a test sees on which thread a mark was taken."""
+    streams = threading.local()
+
+    def current_stream(device: object = None) -> StubStream:
+        if not hasattr(streams, "current"):
+            streams.current = StubStream(threading.current_thread().name)
+        return streams.current  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(torch.cuda, "Event", StubEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", StubStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    StubEvent.made = []
+    return StubEvent
+
+
+def test_the_default_mark_is_taken_on_the_thread_that_calls(stub_cuda_marks: type[StubEvent]) -> None:
+    """A model thread that hands `cache.store(...)` / `cache.load(...)` to the cache's loop with
+    `run_coroutine_threadsafe` (what `integrations.bridge.LoopThread` does): the copies wait for
+    the work queued on the model thread's current stream, not on the loop thread's."""
+    layers = [torch.randint(0, 256, (8, 4096), dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8)
+    keys = kt.block_hashes(range(16 * 4), 16, namespace=spec.namespace)
+    bridge = LoopThread("kvtier-test-loop")
+    try:
+        cache = bridge.call(opened(kt.TieredKVCache(spec, layers)))
+        # Its blocks stand in for device blocks (host memory, not pinned: copies on threads).
+        cache.copy_engine.device = torch.device("cuda", 0)
+        model = threading.current_thread().name
+        stored = asyncio.run_coroutine_threadsafe(cache.store(keys, [0, 1, 2, 3]), bridge.loop).result()
+        loaded = asyncio.run_coroutine_threadsafe(cache.load(keys, [4, 5, 6, 7]), bridge.loop).result()
+        assert stored == 4 and loaded == 4 and torch.equal(layers[0][4:8], layers[0][0:4])
+        marks = stub_cuda_marks.made
+        assert [mark.recorded_on.thread for mark in marks if mark.recorded_on] == [model, model]
+        assert len(marks) == 2 and all(mark.waited for mark in marks)  # and each copy waited for it
+        bridge.call(cache.aclose())
+    finally:
+        bridge.stop()
+
+
+async def opened(cache: kt.TieredKVCache) -> kt.TieredKVCache:
+    await cache.__aenter__()
+    return cache
+
+
+def test_bad_arguments_raise_at_the_call(stub_cuda_marks: type[StubEvent]) -> None:
+    """`store` / `load` check and mark at the call, before a coroutine exists: the caller's thread
+    gets the error, and nothing was recorded or counted."""
+    layers = [torch.zeros(8, 4096, dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8)
+    cache = kt.TieredKVCache(spec, layers)
+    cache.copy_engine.device = torch.device("cuda", 0)
+    keys = kt.block_hashes(range(16 * 2), 16, namespace=spec.namespace)
+    with pytest.raises(kt.InvalidArgumentError, match="after must be"):
+        cache.store(keys, [0, 1], after="stream")
+    with pytest.raises(kt.InvalidArgumentError, match="device_block_ids"):
+        cache.load(keys, [0, 99])
+    with pytest.raises(kt.InvalidArgumentError, match="timeout"):
+        cache.load(keys, [0, 1], timeout=-1)
+    assert stub_cuda_marks.made == [] and cache.stats()["load_calls"] == 0
+    cache.copy_engine.close()
 
 
 @pytest.mark.asyncio
