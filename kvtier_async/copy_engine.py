@@ -10,7 +10,8 @@ queued at once per direction (`_run_chunks`): a chunk's buffers are used again o
 copy has finished, and a call returns, or raises (cancellation included), only once every
 copy it queued has finished, so the caller may release its slots and device blocks at once.
 What differs between a GPU and a CPU is behind one small interface (`start` a chunk's copy,
-`finish` it), so that this logic is the same code, tested on CPU:
+`finish` it, `drain` what a `start` that raised part-way had queued), so that this logic is
+the same code, tested on CPU:
 
 - CUDA (device tensors and a pinned primary tier), `_StreamCopies`: each direction has a
   stream, and per chunk in flight a device staging buffer and an index buffer, all made once
@@ -134,7 +135,8 @@ class CopyEngine:
         self._backend: _Copies | None = None
         self._free: dict[str, asyncio.Queue[int]] = {}
         self.counters: Counter[str] = Counter()
-        self._copies_per_chunk = {TO_HOST: 0, TO_DEVICE: 0}
+        #: The most memory copies one chunk took, per direction (the counters hold the totals).
+        self._most_copies = {TO_HOST: 0, TO_DEVICE: 0}
 
     @property
     def uses_streams(self) -> bool:
@@ -217,10 +219,14 @@ class CopyEngine:
                         direction, buffer, sources[start : start + step], targets[start : start + step], mark
                     )
                 except BaseException:
-                    free.put_nowait(buffer)  # nothing was queued into it
+                    # It may have queued part of the chunk before it raised: the buffer, and
+                    # the caller's slots and device blocks, are free only once that has ended.
+                    drained = asyncio.ensure_future(backend.drain(direction))
+                    drained.add_done_callback(partial(_give_back, free, buffer))
+                    finishing.append(drained)
                     raise
                 mark = None  # the stream waits once: later chunks follow in its order
-                self._copies_per_chunk[direction] = copies
+                self._most_copies[direction] = max(self._most_copies[direction], copies)
                 self.counters[f"{direction}_chunks"] += 1
                 self.counters[f"{direction}_memcpy_calls"] += copies
                 done = asyncio.ensure_future(backend.finish(handle))
@@ -236,16 +242,23 @@ class CopyEngine:
             raise failed[0]
 
     def stats(self) -> dict[str, Any]:
+        """The staging memory, and per direction the chunks copied and the memory copies
+        (`cudaMemcpyAsync` calls on a GPU; strided copies on worker threads elsewhere) they
+        took: in all, on average per chunk (total / chunks, 0 before any chunk) and at most
+        in one chunk."""
         backend = self._backend
+        chunks = {d: self.counters[f"{d}_chunks"] for d in (TO_HOST, TO_DEVICE)}
+        copies = {d: self.counters[f"{d}_memcpy_calls"] for d in (TO_HOST, TO_DEVICE)}
         return {
             "mode": "streams" if isinstance(backend, _StreamCopies) else "threads",
             "staging_bytes": backend.nbytes if backend is not None else 0,
             "staging_blocks": self.staging_blocks,
-            "chunks_to_host": self.counters[f"{TO_HOST}_chunks"],
-            "chunks_to_device": self.counters[f"{TO_DEVICE}_chunks"],
-            "memcpy_calls_to_host": self.counters[f"{TO_HOST}_memcpy_calls"],
-            "memcpy_calls_to_device": self.counters[f"{TO_DEVICE}_memcpy_calls"],
-            "memcpy_calls_per_chunk": dict(self._copies_per_chunk),
+            "chunks_to_host": chunks[TO_HOST],
+            "chunks_to_device": chunks[TO_DEVICE],
+            "memcpy_calls_to_host": copies[TO_HOST],
+            "memcpy_calls_to_device": copies[TO_DEVICE],
+            "memcpy_calls_per_chunk": {d: copies[d] / chunks[d] if chunks[d] else 0.0 for d in chunks},
+            "memcpy_calls_max_per_chunk": dict(self._most_copies),
         }
 
     def close(self) -> None:
@@ -267,6 +280,10 @@ class _Copies(Protocol):
 
     def finish(self, handle: Any) -> Awaitable[None]:
         """Wait for a queued chunk's copy to end (raising its error)."""
+
+    async def drain(self, direction: str) -> None:
+        """Wait until every copy queued so far in `direction` has ended: after a `start` that
+        raised, what it had queued before it did."""
 
     def close(self) -> None: ...
 
@@ -345,6 +362,12 @@ class _StreamCopies:
     def finish(self, handle: Any) -> Awaitable[None]:
         return self._waiters.run(self._wait, handle)
 
+    async def drain(self, direction: str) -> None:
+        with torch.cuda.device(self.device):
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            done.record(self.streams[direction])  # after all that the stream holds
+        await self.finish(done)
+
     def _wait(self, event: Any) -> None:
         with torch.cuda.device(self.device):
             event.synchronize()
@@ -379,6 +402,10 @@ class _ThreadCopies:
 
     def finish(self, handle: Future[None]) -> Awaitable[None]:
         return asyncio.wrap_future(handle)
+
+    async def drain(self, direction: str) -> None:
+        """Nothing to wait for: `start` hands its chunk to a worker as its last step, so one
+        that raised handed nothing over."""
 
     def _copy(self, direction: str, runs: list[tuple[int, int, int]], mark: Any) -> None:
         if mark is not None:  # device blocks, host memory not pinned: wait for their producer

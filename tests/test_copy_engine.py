@@ -70,12 +70,14 @@ async def test_cpu_copies_stay_off_torchs_thread_pool(monkeypatch: pytest.Monkey
 
 class GatedCopies:
     """A stand-in for `_StreamCopies` (a unit test of the chunking logic): each chunk's copy
-    ends when the test says so; `start` can be made to fail at a given chunk."""
+    ends when the test says so; `start` can be made to fail at a given chunk, before it queued
+    anything or (`part_way`) after it queued part of the chunk."""
 
     nbytes = 0
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, part_way: bool = False) -> None:
         self.fail_at = fail_at
+        self.part_way = part_way
         self.started: list[tuple[str, int, list[int], object]] = []
         self.ends: list[asyncio.Future[None]] = []
         self.running = 0
@@ -83,6 +85,8 @@ class GatedCopies:
 
     async def start(self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: object):
         if self.fail_at is not None and len(self.started) == self.fail_at:
+            if self.part_way:  # what was queued before the failure runs on, like a stream's copies
+                self.ends.append(asyncio.get_running_loop().create_future())
             raise RuntimeError("queueing failed")
         self.started.append((direction, buffer, sources, mark))
         self.running += 1
@@ -96,6 +100,9 @@ class GatedCopies:
             await handle
         finally:
             self.running -= 1
+
+    async def drain(self, direction: str) -> None:
+        await asyncio.gather(*self.ends, return_exceptions=True)  # one stream: all queued so far
 
     def close(self) -> None:
         pass
@@ -151,6 +158,43 @@ async def test_a_failure_part_way_returns_only_after_the_queued_copies_ended() -
         await task
     assert backend.running == 0
     assert engine._free["to_device"].qsize() == CHUNKS_IN_FLIGHT  # every buffer back, after its copy
+
+
+@pytest.mark.asyncio
+async def test_a_start_that_fails_part_way_frees_its_buffer_after_what_it_queued_ended() -> None:
+    """`start` raised after queueing part of its chunk: that part still reads the device blocks
+    and writes the buffer and the slots, so the call returns (and the buffer is free) only once
+    it has ended."""
+    backend = GatedCopies(fail_at=1, part_way=True)
+    engine = gated_engine(16, backend)
+    task = asyncio.ensure_future(engine.to_host(list(range(6)), list(range(6))))
+    await settle()
+    assert len(backend.ends) == 2  # chunk 1, and the part of chunk 2 queued before the failure
+    backend.ends[0].set_result(None)
+    await settle()
+    assert not task.done()
+    assert engine._free["to_host"].qsize() == CHUNKS_IN_FLIGHT - 1  # chunk 2's buffer is in use
+    backend.ends[1].set_result(None)
+    with pytest.raises(RuntimeError, match="queueing failed"):
+        await task
+    assert engine._free["to_host"].qsize() == CHUNKS_IN_FLIGHT
+
+
+@pytest.mark.asyncio
+async def test_copies_per_chunk_are_counted_over_every_chunk() -> None:
+    backend = GatedCopies()  # one copy per block: chunks of 2, 2 and 1 copies
+    engine = gated_engine(16, backend)
+    task = asyncio.ensure_future(engine.to_host(list(range(5)), list(range(5))))
+    while not task.done():
+        await settle()
+        for end in backend.ends:
+            if not end.done():
+                end.set_result(None)
+    await task
+    stats = engine.stats()
+    assert stats["chunks_to_host"] == 3 and stats["memcpy_calls_to_host"] == 5
+    assert stats["memcpy_calls_per_chunk"] == {"to_host": 5 / 3, "to_device": 0.0}
+    assert stats["memcpy_calls_max_per_chunk"] == {"to_host": 2, "to_device": 0}
 
 
 @pytest.mark.asyncio
