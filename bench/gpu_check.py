@@ -3,7 +3,14 @@
     python bench/gpu_check.py            # on a CUDA machine: every check, < 5 minutes on one H100
     python bench/gpu_check.py --small    # anywhere: CPU tensors stand in where they can
 
-Checks (each prints PASS, FAIL or SKIP and what it measured; the exit status is 1 if any failed):
+From a clone, with the README's install or with only the package's dependencies installed: the
+script imports the `kvtier_async` of the checkout it sits in, not an installed one.
+
+Each check prints one line and what it measured: PASS (what it asserts held), FAIL (it did not),
+SKIP (not run: no CUDA device) or INFO (measured, nothing asserted: throughput without CUDA,
+whose goal is a GPU's). The exit status is 1 if any check failed.
+
+Checks:
 
 1. setup: the primary buffer is pinned and the stream path is in use; two caches opened and
    closed in turn in one process; this process has a context on the cache's device only
@@ -20,7 +27,7 @@ Checks (each prints PASS, FAIL or SKIP and what it measured; the exit status is 
    intersected with the I/O intervals of a tier throttled to the copy's speed.
 6. throughput against raw: contiguous copies of 2 GiB to and from pinned memory (best of 3,
    after a warm-up) beside `store` (copy only) and `load` (primary hits) with scattered ids
-   and slots: goal >= 0.7x at 2 MiB blocks; 64 KiB reported.
+   and slots: goal >= 0.7x at 2 MiB blocks, asserted on a GPU only; 64 KiB reported.
 
 Until a device has run it, the CUDA path is verified by review and CPU tests only.
 """
@@ -40,6 +47,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's kvtier_async
 
 import torch
 from common import run
@@ -398,8 +407,11 @@ async def check_throughput(device: torch.device, small: bool) -> None:
             f"{total / raw_h2d / 1e9:.1f})"
         )
         lines.append(line)
-        if block == 2 << 20 and device.type == "cuda":
+        if block == 2 << 20:
             ok = ok and store_ratio >= 0.7 and load_ratio >= 0.7
+    if device.type != "cuda":  # host-to-host copies against a host memcpy: no goal to meet
+        report("throughput", "INFO", "; ".join(lines) + " (CPU tensors: not asserted)")
+        return
     report("throughput", "PASS" if ok else "FAIL", "; ".join(lines) + " (goal >= 0.7x at 2 MiB)")
 
 
@@ -458,9 +470,12 @@ async def main() -> None:
                 await check()
             except Exception as exc:  # one broken check does not hide the others
                 report(name, "FAIL", f"raised {type(exc).__name__}: {exc}")
-    failed = [name for name, status, _ in RESULTS if status == "FAIL"]
-    print(f"{len(RESULTS) - len(failed)} passed or skipped, {len(failed)} failed")
-    sys.exit(1 if failed else 0)
+    statuses = [status for _, status, _ in RESULTS]
+    print(
+        f"{statuses.count('PASS')} passed, {statuses.count('FAIL')} failed, "
+        f"{statuses.count('SKIP')} skipped, {statuses.count('INFO')} measured only"
+    )
+    sys.exit(1 if "FAIL" in statuses else 0)
 
 
 if __name__ == "__main__":
