@@ -154,7 +154,7 @@ class CopyEngine:
                 _StreamCopies, self.device, self._parts, self._primary.buffer, self.staging_blocks
             )
         else:
-            backend = _ThreadCopies(self._parts, self._primary, self._workers)
+            backend = _ThreadCopies(self.device, self._parts, self._primary, self._workers)
         if self._backend is None:  # another call may have opened it meanwhile
             self._backend = backend
             self._free = {d: asyncio.Queue() for d in (TO_HOST, TO_DEVICE)}
@@ -381,7 +381,10 @@ class _ThreadCopies:
 
     nbytes = 0
 
-    def __init__(self, parts: list[Part], primary: PrimaryTier, workers: WorkerThreads) -> None:
+    def __init__(
+        self, device: torch.device, parts: list[Part], primary: PrimaryTier, workers: WorkerThreads
+    ) -> None:
+        self.device = device
         self.parts = parts
         self.primary = primary
         self.workers = workers
@@ -409,7 +412,10 @@ class _ThreadCopies:
 
     def _copy(self, direction: str, runs: list[tuple[int, int, int]], mark: Any) -> None:
         if mark is not None:  # device blocks, host memory not pinned: wait for their producer
-            mark.synchronize()
+            # Under the cache's device: waiting from a thread with none set would make this
+            # process a context on the current device (0) on the way.
+            with torch.cuda.device(self.device):
+                mark.synchronize()
         host, parts, copy = self._host_side()
         block_nbytes = self.primary.block_nbytes
         for device_first, slot_first, count in runs:

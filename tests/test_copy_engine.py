@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+from collections.abc import Iterator
 from typing import ClassVar
 
 import pytest
@@ -253,14 +254,28 @@ class StubEvent:
 
     def __init__(self, **kwargs: object) -> None:
         self.recorded_on: StubStream | None = None
-        self.waited = False
+        self.waited_under: object = None  # the device set on the thread that waited for it
         StubEvent.made.append(self)
 
     def record(self, stream: StubStream) -> None:
         self.recorded_on = stream
 
     def synchronize(self) -> None:
-        self.waited = True
+        self.waited_under = getattr(CURRENT, "device", "none set")
+
+
+#: Per thread, the device a stubbed `torch.cuda.device(...)` has set.
+CURRENT = threading.local()
+
+
+@contextlib.contextmanager
+def stub_device(device: object) -> Iterator[None]:
+    before = getattr(CURRENT, "device", "none set")
+    CURRENT.device = device
+    try:
+        yield
+    finally:
+        CURRENT.device = before
 
 
 @pytest.fixture
@@ -277,7 +292,7 @@ def stub_cuda_marks(monkeypatch: pytest.MonkeyPatch) -> type[StubEvent]:
     monkeypatch.setattr(torch.cuda, "Event", StubEvent)
     monkeypatch.setattr(torch.cuda, "Stream", StubStream)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", stub_device)
     StubEvent.made = []
     return StubEvent
 
@@ -289,18 +304,21 @@ def test_the_default_mark_is_taken_on_the_thread_that_calls(stub_cuda_marks: typ
     layers = [torch.randint(0, 256, (8, 4096), dtype=torch.uint8)]
     spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8)
     keys = kt.block_hashes(range(16 * 4), 16, namespace=spec.namespace)
+    cache = kt.TieredKVCache(spec, layers)
+    # Its blocks stand in for those of a second device (host memory, not pinned: copies on
+    # worker threads, which wait for the mark themselves).
+    cache.copy_engine.device = torch.device("cuda", 1)
     bridge = LoopThread("kvtier-test-loop")
     try:
-        cache = bridge.call(opened(kt.TieredKVCache(spec, layers)))
-        # Its blocks stand in for device blocks (host memory, not pinned: copies on threads).
-        cache.copy_engine.device = torch.device("cuda", 0)
+        bridge.call(opened(cache))
         model = threading.current_thread().name
         stored = asyncio.run_coroutine_threadsafe(cache.store(keys, [0, 1, 2, 3]), bridge.loop).result()
         loaded = asyncio.run_coroutine_threadsafe(cache.load(keys, [4, 5, 6, 7]), bridge.loop).result()
         assert stored == 4 and loaded == 4 and torch.equal(layers[0][4:8], layers[0][0:4])
         marks = stub_cuda_marks.made
         assert [mark.recorded_on.thread for mark in marks if mark.recorded_on] == [model, model]
-        assert len(marks) == 2 and all(mark.waited for mark in marks)  # and each copy waited for it
+        # Each copy waited for its mark, under the cache's device (not a new context on device 0).
+        assert [mark.waited_under for mark in marks] == [torch.device("cuda", 1)] * 2
         bridge.call(cache.aclose())
     finally:
         bridge.stop()
