@@ -51,10 +51,6 @@ class TestRedisTierSealed(TierContractTests):
 
 class TestRedisClusterTierSealed(TierContractTests):
     capacity_kwarg = None
-    # redis-py sends a pipeline with `writelines`, which asyncio's own loop joins into one bytes
-    # before Python 3.12 (a node's share of 64 MiB: 8-14 ms of the loop here), and hiredis builds
-    # each reply's bytes on the loop. Bounded still, so that a stall of our own on top fails.
-    max_loop_hold_s = 0.030
 
     @pytest.fixture
     def tier_config(self, redis_cluster: servers.RedisCluster, tier_secret_env: str) -> dict[str, Any]:
@@ -63,10 +59,6 @@ class TestRedisClusterTierSealed(TierContractTests):
 
 class TestRedisClusterTier(TierContractTests):
     capacity_kwarg = None
-    # redis-py sends a pipeline with `writelines`, which asyncio's own loop joins into one bytes
-    # before Python 3.12 (a node's share of 64 MiB: 8-14 ms of the loop here), and hiredis builds
-    # each reply's bytes on the loop. Bounded still, so that a stall of our own on top fails.
-    max_loop_hold_s = 0.030
 
     @pytest.fixture
     def tier_config(self, redis_cluster: servers.RedisCluster) -> dict[str, Any]:

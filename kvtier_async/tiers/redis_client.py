@@ -22,6 +22,10 @@
   its socket is opened: no byte, and no password, reaches it. The tier counts each refusal and
   warns once per address. A standalone server's connections are held to the URL's host and
   port.
+- **Long values move a piece at a time** (`guarded_connection_class`): a pipeline is written
+  piece by piece as the connection drains, not joined by `writelines`, and a long reply read a
+  socket read at a time; each piece within the turn's budget the tier's calls share
+  (`TurnBudget`), since a Cluster's pipelines all wake in one turn of the loop.
 
 The direct connections (`redis_direct`) read their replies by their own means.
 """
@@ -37,6 +41,8 @@ from urllib.parse import urlsplit
 from redis._parsers import _AsyncRESP2Parser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse
+
+from ..turn_budget import TurnBudget
 
 __all__ = [
     "MAX_OTHER_REPLY_BYTES",
@@ -128,12 +134,14 @@ class BoundedRESP2Parser(_AsyncRESP2Parser):
     def __init__(self, socket_read_size: int) -> None:
         super().__init__(socket_read_size)
         self.allowance = ReplyAllowance()  # the connection's, from on_connect
+        self.turn = TurnBudget()  # the connection's, shared by the client's: from on_connect
         self._data = b""  # read from the socket, not yet parsed from `_at` on
         self._at = 0
 
     def on_connect(self, connection: Any) -> None:
         super().on_connect(connection)  # type: ignore[no-untyped-call]
         self.allowance = connection.reply_allowance
+        self.turn = connection.turn_budget
         self._data, self._at = b"", 0
 
     def on_disconnect(self) -> None:
@@ -188,14 +196,19 @@ class BoundedRESP2Parser(_AsyncRESP2Parser):
             return data
         # The rest as it arrives, not with readexactly: asyncio's stream stops reading the
         # socket while it holds more than 128 KiB, and resumes each time it is waited on again.
+        # A read's worth at a time, and the value's join, within the turn's budget: the client's
+        # connections are all woken in one turn of the loop as their data comes (a Cluster's 12
+        # pipelines of 1 MiB values: each copying what it holds, 5-25 ms of the loop's CPU).
         parts, need = [self._data[self._at :]], n - have
         self._data, self._at = b"", 0
         while need > 0:
-            part = await self._socket().read(need)
+            await self.turn.enter()
+            part = await self._socket().read(min(need, self._read_size))
             if not part:
                 raise RedisConnectionError("the server closed the connection")
             parts.append(part)
             need -= len(part)
+        await self.turn.enter()  # the copy below: a read wakes every connection in one turn
         return b"".join(parts)
 
     async def _reply(self, disable_decoding: bool, depth: int) -> Any:
@@ -303,16 +316,18 @@ class AllowedNodes:
 
 
 def guarded_connection_class(
-    base: type, allowed: AllowedNodes | None, refused: Callable[[str, int], None]
+    base: type, allowed: AllowedNodes | None, refused: Callable[[str, int], None], turn: TurnBudget
 ) -> type:
     """`base` (redis-py's `Connection`, `SSLConnection` or `UnixDomainSocketConnection`)
     reading every reply through `BoundedRESP2Parser`, and, unless `allowed` is None (a unix
     socket), refusing to open a socket to an address not in `allowed` (`refused(host, port)`
-    is told first)."""
+    is told first). Its connections write and read long values a piece at a time, within the
+    turns of the loop that `turn` (the tier's) shares out."""
 
     class GuardedConnection(base):  # type: ignore[misc]
         def __init__(self, **kwargs: Any) -> None:
             self.reply_allowance = ReplyAllowance()
+            self.turn_budget = turn
             kwargs["parser_class"] = BoundedRESP2Parser
             super().__init__(**kwargs)
 
@@ -324,6 +339,28 @@ def guarded_connection_class(
             # Every command sent is packed here (pipelines too): its reply's allowance.
             self.reply_allowance.expect(args)
             return super().pack_command(*args)
+
+        async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+            # Piece by piece (a value is a piece of its own: `pack_commands`), each once the
+            # transport has sent what it held. Not redis-py's `writelines`: asyncio's own loop
+            # before Python 3.12 joins a whole pipeline into one bytes on the loop, then copies
+            # what the socket does not take into its buffer (a node's share of 64 x 1 MiB:
+            # 8-16 ms of the loop's CPU in one turn). And within the turn's budget: a Cluster's
+            # pipelines all drain in one turn, each then writing its next MiB.
+            writer = self._writer
+            if writer is None or writer.transport.is_closing():
+                raise RedisConnectionError("Connection closed by the server before write")
+            try:
+                for piece in command:
+                    await turn.enter()
+                    writer.write(piece)
+                    await writer.drain()
+            except (TypeError, AttributeError) as exc:
+                # As redis-py: Python 3.12 to 3.13.9 and 3.14.0 can leak these from a transport
+                # whose connection was lost while writing (CPython gh-136234).
+                if writer.transport.is_closing():
+                    raise RedisConnectionError("Connection closed by the server while writing") from exc
+                raise
 
         async def _connect(self) -> None:
             try:

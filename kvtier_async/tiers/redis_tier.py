@@ -21,7 +21,9 @@ Where the time goes, and what we do about it (`bench/remote_tiers.py` measures i
 - Elsewhere (a Cluster, TLS, a client passed in) redis-py carries the blocks: a stored value is
   assembled in a new buffer first, the GIL released (`buffers`), and a value over
   `READ_PIECE_BYTES` is read as ranges of it (GETRANGE, in one pipeline), since the parser
-  builds each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB.
+  builds each reply as one `bytes` object on the event loop, 2 ms or more for 8 MiB. On the
+  clients the tier makes, a pipeline goes out and comes back a piece at a time, within the
+  loop turns' budget (`redis_client`).
 - Checksums and copies of more than 1 MiB a call run on worker threads (`run_cpu`).
 - A store writes without asking first which keys the server holds, and the existence checks
   of concurrent lookups share pipelines (`Coalescer`).
@@ -287,7 +289,10 @@ class RedisTier(SecondaryTierManager):
             # connections (its connection kwargs, shared with its nodes manager, and the
             # start-up node it already made).
             guarded = guarded_connection_class(
-                cluster.connection_kwargs["connection_class"], self.allowed_nodes, self._node_refused
+                cluster.connection_kwargs["connection_class"],
+                self.allowed_nodes,
+                self._node_refused,
+                self._turn,
             )
             cluster.connection_kwargs["connection_class"] = guarded
             for node in cluster.nodes_manager.startup_nodes.values():
@@ -300,7 +305,7 @@ class RedisTier(SecondaryTierManager):
         # password) elsewhere.
         base = parse_url(self._url).get("connection_class", Connection)
         allowed = None if base.__name__ == "UnixDomainSocketConnection" else self._standalone_node
-        guarded = guarded_connection_class(base, allowed, self._node_refused)
+        guarded = guarded_connection_class(base, allowed, self._node_refused, self._turn)
         # The gate keeps us within max_connections; a blocking pool waits rather than raise
         # should anything else take a connection meanwhile.
         return Redis.from_pool(
