@@ -73,12 +73,8 @@ def s3_server() -> Iterator[servers.S3Server]:
 @pytest.fixture(scope="module")
 def mooncake_master() -> Iterator[servers.MooncakeMaster]:
     """A mooncake_master on loopback for one test module (tests name their objects apart)."""
-    if servers.MOONCAKE_MISSING is not None:
-        pytest.skip(servers.MOONCAKE_MISSING)
-    master = servers.MooncakeMaster()
-    master.start()
-    yield master
-    master.stop()
+    with servers.running_mooncake_master() as master:
+        yield master
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ servers and sets it), where a missing one is an error: CI never skips them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes.util
 import importlib.util
 import os
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -474,3 +475,17 @@ class Blackhole:
     async def __aexit__(self, *exc: object) -> None:
         assert self.server is not None
         self.server.close()
+
+
+@contextlib.contextmanager
+def running_mooncake_master() -> Iterator[MooncakeMaster]:
+    """A mooncake_master started on loopback, stopped after; skips the test where Mooncake is
+    missing (an error under KVTIER_REQUIRE_SERVERS=1, at import)."""
+    if MOONCAKE_MISSING is not None:
+        pytest.skip(MOONCAKE_MISSING)
+    master = MooncakeMaster()
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()

@@ -181,12 +181,8 @@ async def test_a_value_of_another_length_is_a_counted_miss(
 @pytest.fixture
 def own_master() -> Iterator[servers.MooncakeMaster]:
     """A master of the test's own: no segment but those the test makes."""
-    if servers.MOONCAKE_MISSING is not None:
-        pytest.skip(servers.MOONCAKE_MISSING)
-    master = servers.MooncakeMaster()
-    master.start()
-    yield master
-    master.stop()
+    with servers.running_mooncake_master() as master:
+        yield master
 
 
 @pytest.fixture
