@@ -390,11 +390,23 @@ def test_bad_configuration_is_refused_when_lmcache_builds_the_adapter(tmp_path: 
         build({"type": "fs", "root": str(tmp_path)}, staging_mib=0)
 
 
-def test_a_fleet_shares_chunks_through_redis(request: pytest.FixtureRequest) -> None:
-    tier = {"type": "redis", "url": request.getfixturevalue("redis_server").url, "prefix": "lmcache-test"}
+def _shared_tier(kind: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """A tier config that two adapters in one process reach as two servers of a fleet would."""
+    if kind == "redis":
+        return {"type": "redis", "url": request.getfixturevalue("redis_server").url, "prefix": "lmcache-test"}
+    master = request.getfixturevalue("mooncake_master")
+    return {"type": "mooncake", "master": master.address, "segment_bytes": 64 << 20, "prefix": "lmcache-test"}
+
+
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_a_fleet_shares_chunks_through_a_shared_tier(kind: str, request: pytest.FixtureRequest) -> None:
+    tier = _shared_tier(kind, request)
     a, b = build(tier), build(tier)
     try:
-        keys, objects = [key(i, model="fleet") for i in range(5)], [chunk(seed=50 + i) for i in range(5)]
+        keys, objects = (
+            [key(i, model=f"fleet-{kind}") for i in range(5)],
+            [chunk(seed=50 + i) for i in range(5)],
+        )
         assert store(a, keys, objects).is_successful()
         assert lookup(b, keys) == [True] * 5
         targets = [chunk() for _ in keys]
@@ -493,19 +505,3 @@ def test_a_tier_secret_reaches_the_tier_through_lmcaches_config(
     finally:
         again.close()
         plain.close()
-
-
-def test_a_fleet_shares_chunks_through_a_mooncake_pool(request: pytest.FixtureRequest) -> None:
-    master = request.getfixturevalue("mooncake_master")
-    tier = {"type": "mooncake", "master": master.address, "segment_bytes": 64 << 20, "prefix": "lmcache-test"}
-    a, b = build(tier), build(tier)
-    try:
-        keys, objects = [key(i, model="mooncake") for i in range(5)], [chunk(seed=80 + i) for i in range(5)]
-        assert store(a, keys, objects).is_successful()
-        assert lookup(b, keys) == [True] * 5
-        targets = [chunk() for _ in keys]
-        assert load(b, keys, targets) == [True] * 5
-        assert all(same(x, y) for x, y in zip(objects, targets))
-    finally:
-        a.close()
-        b.close()
