@@ -414,10 +414,18 @@ def test_bad_configuration_fails_at_start_up_naming_the_key(tmp_path: Path) -> N
         backend.close()
 
 
-@pytest.mark.parametrize("shared", ["redis", "s3"])
-def test_a_fleet_shares_pages_through_redis_and_s3(shared: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("shared", ["redis", "s3", "mooncake"])
+def test_a_fleet_shares_pages_through_a_shared_tier(shared: str, request: pytest.FixtureRequest) -> None:
     if shared == "redis":
         tier = {"type": "redis", "url": request.getfixturevalue("redis_server").url, "prefix": "sglang-test"}
+    elif shared == "mooncake":  # two backends of one process share one Mooncake client
+        master = request.getfixturevalue("mooncake_master")
+        tier = {
+            "type": "mooncake",
+            "master": master.address,
+            "segment_bytes": 64 << 20,
+            "prefix": "sglang-test",
+        }
     else:
         endpoint = request.getfixturevalue("s3_server").endpoint
         tier = {"type": "s3", "bucket": servers.S3_BUCKET, "endpoint": endpoint, "allow_http": True}
@@ -521,19 +529,3 @@ def test_a_tier_secret_reaches_the_tier_through_sglangs_config(
     finally:
         second.close()
         plain.close()
-
-
-def test_a_fleet_shares_pages_through_a_mooncake_pool(request: pytest.FixtureRequest) -> None:
-    master = request.getfixturevalue("mooncake_master")
-    tier = {"type": "mooncake", "master": master.address, "segment_bytes": 64 << 20, "prefix": "sglang-test"}
-    pool_a, pool_b = mha_pool("page_first"), mha_pool("page_first")
-    a, b = build(tier, pool_a), build(tier, pool_b)  # two servers of a fleet (one process: one client)
-    try:
-        names = keys(6, "m")
-        assert a.batch_set_v1(names, slots(pool_a, list(range(6)))) == [True] * 6
-        assert b.batch_exists(names) == 6
-        assert b.batch_get_v1(names, slots(pool_b, list(range(10, 16)))) == [True] * 6
-        assert [page_bytes(pool_b, p) for p in range(10, 16)] == [page_bytes(pool_a, p) for p in range(6)]
-    finally:
-        a.close()
-        b.close()
