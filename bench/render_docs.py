@@ -657,19 +657,22 @@ def sglang_hybrid_table(cases: list[dict[str, Any]]) -> list[str]:
         "Hybrid models (SGLang's v2 interface): one radix node of 16 KV pages per call, as",
         "`HybridCacheController` backs up and prefetches a node, its extra pool pages through",
         "`batch_set_v2` / `batch_get_v2` (kvtier: KV in place, the extra pool run by run through page",
-        "slots; `HiCacheFile`: KV as flat pages, the extra pool through its own v2).",
+        "slots; `HiCacheFile`: KV as flat pages, the extra pool through its own v2; raw: each page's",
+        "runs with O_DIRECT, one file a page, node after node, no checksum and no index).",
         "",
-        "| case | nodes | KV page, extra page | set GB/s kvtier / file | get GB/s kvtier / file "
-        "| kvtier / file: set, get |",
-        "|---|---|---|---|---|---|",
+        "| case | nodes | KV page, extra page | set GB/s kvtier / file / raw | get GB/s kvtier / file / raw "
+        "| kvtier / file: set, get | kvtier / raw: set, get |",
+        "|---|---|---|---|---|---|---|",
     ]
     for case in cases:
-        k, f = case["kvtier"], case["file"]
+        k, f, r = case["kvtier"], case["file"], case.get("raw")
+        raw_set, raw_get = (f" / {r['set_gbps']:.2f}", f" / {r['get_gbps']:.2f}") if r else ("", "")
+        vs_raw = f"{case['set_vs_raw']:.2f}x, {case['get_vs_raw']:.2f}x" if r else "-"
         lines.append(
             f"| {case['case']} | {case['nodes']} | {case['page_kib']} KiB, {case['extra_pool']} "
-            f"{case['extra_page_kib']} KiB | {k['set_gbps']:.2f} / {f['set_gbps']:.2f} | "
-            f"{k['get_gbps']:.2f} / {f['get_gbps']:.2f} | "
-            f"{case['set_vs_file']:.2f}x, {case['get_vs_file']:.2f}x |"
+            f"{case['extra_page_kib']} KiB | {k['set_gbps']:.2f} / {f['set_gbps']:.2f}{raw_set} | "
+            f"{k['get_gbps']:.2f} / {f['get_gbps']:.2f}{raw_get} | "
+            f"{case['set_vs_file']:.2f}x, {case['get_vs_file']:.2f}x | {vs_raw} |"
         )
     return [*lines, ""]
 

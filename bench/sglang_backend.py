@@ -28,9 +28,9 @@ disk, 128 pages a call, from one thread as SGLang's backup and prefetch-I/O thre
   on as many threads as the fs tier's I/O threads: no checksum, no index, no crash safety.
   Only where runs are 4096-byte multiples (O_DIRECT refuses smaller ones).
 
-Hybrid cases (SGLang's v2 interface, `HybridCacheController`'s calls): one backup per radix
-node of 16 KV pages (the KV pages, then the node's extra pool pages through `batch_set_v2`),
-one prefetch per node (the KV pages, then `batch_get_v2`):
+Hybrid cases (SGLang's v2 interface, `HybridCacheController`'s calls, in its order): one backup
+per radix node of 16 KV pages (the node's extra pool pages through `batch_set_v2`, then the KV
+pages), one prefetch per node (the KV pages, then `batch_get_v2`):
 
 - `hybrid-mamba`: Qwen3.5 / Qwen3-Next class: KV of 12 full-attention layers (2 KV heads of
   256, 64-token pages: 1.5 MiB), and one Mamba state per node (8 linear-attention layers of a
@@ -39,7 +39,12 @@ one prefetch per node (the KV pages, then `batch_get_v2`):
   indexer page (132 KiB) for every KV page.
 
 kvtier moves KV through the v1 calls and the extra pools through v2; `HiCacheFile` its KV
-through the generic calls (flat pages) and the extra pools through its own v2. No raw side.
+through the generic calls (flat pages) and the extra pools through its own v2; raw writes each
+page's runs (where the pools' `get_page_buffer_meta` puts them) with O_DIRECT, one file a page,
+a node's pages on as many threads as the fs tier's I/O threads, node after node, and reads them
+back so. kvtier's set waits for the disk (O_DIRECT), `HiCacheFile`'s for a copy into the page
+cache (its disk write comes later, outside the clock): raw / file says which of the two the
+disk allows to be faster in those rounds.
 
 Flat pages for both generic sides are made before the clock starts. Also the time of a warm
 `batch_exists` of 128 keys (median of 200 calls). Every byte loaded by kvtier and raw is
@@ -49,6 +54,7 @@ checked.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -257,11 +263,12 @@ def hybrid_round(
     started = time.perf_counter()
     for n, pages in enumerate(node_pages):
         part = keys[pages.start : pages.stop]
+        # SGLang's order (`_page_backup_with_stable_layout`): the extra pools, then the KV pages.
+        assert all(backend.batch_set_v2([hybrid_transfer(name, n, keys, n)])[name])
         if side == "kvtier":
             assert all(backend.batch_set_v1(part, slots(kv, list(pages))))
         else:
             assert backend.batch_set(part, flat[pages.start : pages.stop])
-        assert all(backend.batch_set_v2([hybrid_transfer(name, n, keys, n)])[name])
     set_s = time.perf_counter() - started
     if side == "kvtier":
         backend.close()
@@ -302,6 +309,59 @@ def hybrid_round(
     return {"set_s": set_s, "get_s": get_s, "exact": exact}
 
 
+def hybrid_runs(pools: tuple[Any, PoolName, Any], node: int, dest: int) -> list[list[memoryview]]:
+    """Node `node`'s pages as runs of the host pools (its KV pages, then its extra pool pages,
+    where the pool's own `get_page_buffer_meta` puts them), at host node `dest`: what raw
+    O_DIRECT writes and reads, one file a page."""
+    kv, name, extra = pools
+    kv_pages = [page_views(kv, dest * NODE_PAGES + p) for p in range(NODE_PAGES)]
+    starts = [dest] if name == PoolName.MAMBA else [(dest * NODE_PAGES + p) * 64 for p in range(NODE_PAGES)]
+    extra_pages = []
+    for start in starts:
+        ptrs, sizes = extra.get_page_buffer_meta(torch.arange(start, start + extra.page_size))
+        extra_pages.append(
+            [memoryview((ctypes.c_char * n).from_address(p)).cast("B") for p, n in zip(ptrs, sizes)]
+        )
+    return kv_pages + extra_pages
+
+
+def hybrid_raw_round(
+    pools: tuple[Any, PoolName, Any], nodes: int, root: Path, threads: int
+) -> dict[str, float]:
+    """Each node's pages (KV, then extra pool) written with O_DIRECT `pwritev`, one file a page,
+    on `threads` threads, node after node; read back into the other half of the pools the same
+    way after the page cache is dropped: the disk's speed for these bytes, with nothing else."""
+    root.mkdir(parents=True, exist_ok=True)
+
+    def write(item: tuple[int, list[memoryview]]) -> None:
+        fd = os.open(root / f"{item[0]}.page", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            os.pwritev(fd, item[1], 0)
+        finally:
+            os.close(fd)
+
+    def read(item: tuple[int, list[memoryview]]) -> None:
+        fd = os.open(root / f"{item[0]}.page", os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, item[1], 0)
+        finally:
+            os.close(fd)
+
+    per_node = NODE_PAGES + (1 if pools[1] == PoolName.MAMBA else NODE_PAGES)
+    with ThreadPoolExecutor(threads) as executor:
+        started = time.perf_counter()
+        for n in range(nodes):
+            list(executor.map(write, enumerate(hybrid_runs(pools, n, n), n * per_node)))
+        set_s = time.perf_counter() - started
+        drop_page_cache(root)
+        started = time.perf_counter()
+        for n in range(nodes):
+            list(executor.map(read, enumerate(hybrid_runs(pools, n, nodes + n), n * per_node)))
+        get_s = time.perf_counter() - started
+    shutil.rmtree(root)
+    return {"set_s": set_s, "get_s": get_s}
+
+
 def hybrid_case(name: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
     case_config = CASES[name]
     probe = hybrid_pools(case_config["hybrid"], 1)
@@ -313,11 +373,16 @@ def hybrid_case(name: str, args: argparse.Namespace, work: str) -> dict[str, Any
     del probe, kv, extra
     nodes = max(2, (args.mib << 20) // node_nbytes)
     pools = hybrid_pools(case_config["hybrid"], nodes)
-    rounds: dict[str, list[dict[str, float]]] = {"kvtier": [], "file": []}
+    sides = ["kvtier", "file", "raw"]
+    threads = OffloadingSpec(block_nbytes=4096, num_cpu_blocks=1).limits.io_threads
+    rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for r in range(args.repeat):
-        for side in taking_turns(["kvtier", "file"], r):
+        for side in taking_turns(sides, r):
             root = Path(work) / f"{name}-{side}-{r}"
-            rounds[side].append(hybrid_round(side, pools, nodes, root, f"{side[0]}{r}"))
+            if side == "raw":
+                rounds[side].append(hybrid_raw_round(pools, nodes, root, threads))
+            else:
+                rounds[side].append(hybrid_round(side, pools, nodes, root, f"{side[0]}{r}"))
             shutil.rmtree(root, ignore_errors=True)
     nbytes = nodes * node_nbytes
     case: dict[str, Any] = {
@@ -337,19 +402,25 @@ def hybrid_case(name: str, args: argparse.Namespace, work: str) -> dict[str, Any
             "get_gbps": statistics.median(nbytes / d["get_s"] / GB for d in done),
         }
     case["kvtier"]["exact"] = all(d["exact"] for d in rounds["kvtier"])
-    for op in ("set", "get"):
-        ratios = [f[f"{op}_s"] / k[f"{op}_s"] for k, f in zip(rounds["kvtier"], rounds["file"])]
-        case[f"{op}_vs_file"] = statistics.median(ratios)
+    for op in ("set", "get"):  # round by round: each round's sides share the disk's state
+        for other in sides[1:]:
+            ratios = [o[f"{op}_s"] / k[f"{op}_s"] for k, o in zip(rounds["kvtier"], rounds[other])]
+            case[f"{op}_vs_{other}"] = statistics.median(ratios)
+        # the disk against the page cache: where raw O_DIRECT is slower than HiCacheFile's copy
+        ratios = [f[f"{op}_s"] / w[f"{op}_s"] for w, f in zip(rounds["raw"], rounds["file"])]
+        case[f"raw_{op}_vs_file"] = statistics.median(ratios)
     return case
 
 
 def print_hybrid_case(case: dict[str, Any]) -> None:
-    k, f = case["kvtier"], case["file"]
+    k, f, r = case["kvtier"], case["file"], case["raw"]
     print(
         f"{case['case']:<17} {case['nodes']} nodes of {NODE_PAGES} x {case['page_kib']} KiB KV pages + "
         f"{case['extra_pool']} pages of {case['extra_page_kib']} KiB | set GB/s kvtier {k['set_gbps']:.2f} "
-        f"file {f['set_gbps']:.2f} | get GB/s kvtier {k['get_gbps']:.2f} file {f['get_gbps']:.2f} | "
-        f"kvtier/file set {case['set_vs_file']:.2f}x get {case['get_vs_file']:.2f}x | exact {k['exact']}",
+        f"file {f['set_gbps']:.2f} raw {r['set_gbps']:.2f} | get GB/s kvtier {k['get_gbps']:.2f} file "
+        f"{f['get_gbps']:.2f} raw {r['get_gbps']:.2f} | kvtier/file set {case['set_vs_file']:.2f}x get "
+        f"{case['get_vs_file']:.2f}x | kvtier/raw set {case['set_vs_raw']:.2f}x get "
+        f"{case['get_vs_raw']:.2f}x | raw/file set {case['raw_set_vs_file']:.2f}x | exact {k['exact']}",
         flush=True,
     )
 

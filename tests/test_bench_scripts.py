@@ -186,6 +186,7 @@ def test_sglang_backend_bench_hybrid_row_runs(tmp_path: Path) -> None:
     (case,) = json.loads(out.read_text())["cases"]
     assert (case["case"], case["extra_pool"], case["nodes"]) == ("hybrid-dsa", "indexer", 2)
     assert case["kvtier"]["exact"] and case["set_vs_file"] > 0 and case["get_vs_file"] > 0
+    assert case["set_vs_raw"] > 0 and case["raw"]["get_gbps"] > 0  # the disk's own speed, same rounds
 
 
 def test_replay_trace_bench_runs(tmp_path: Path) -> None:
