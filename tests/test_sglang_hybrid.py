@@ -596,6 +596,38 @@ def test_pools_never_share_pages_and_bad_input_is_refused(fs: dict[str, Any], tm
         other.close()
 
 
+def test_pool_pages_larger_than_a_block_are_stored_as_blocks_through_every_tier(
+    tier: Tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page past `EXTRA_BLOCK_BYTES` (a Mamba state is tens of MiB) is stored as several blocks,
+    each written as soon as it is copied: the answers and loads are still HiCacheFile's, through
+    every tier and a restarted backend, and the tier holds every block of every stored page."""
+    monkeypatch.setattr(sglang_pools, "EXTRA_BLOCK_BYTES", 4096)  # 12 KiB states: 4 blocks each
+    kv, indexer = dsa_pools(tokens=2048)
+    state = mamba_pool()
+    pools = {INDEXER: indexer, MAMBA: state}
+    ours, c = tier.attach("ours", kv, pools, tmp_path)
+    _, f = attach("file", None, kv, pools, tmp_path)
+    try:
+        assert store_mamba_indexer_chain(c) == store_mamba_indexer_chain(f) == STORED
+        assert mamba_indexer_answers(c) == mamba_indexer_answers(f) == MAMBA_INDEXER_EXPECTED
+        check_mamba_indexer_loads(c, kv, indexer, state)
+        entry = ours._pools._entry(MAMBA)
+        assert entry.layout.blocks_per_page == 4
+        if tier.kind != "redis":  # a shared server's stats count every test's blocks
+            held = ours._bridge.call(sglang._stats(entry.staged.tier))
+            assert held.get("blocks", 2 * 4) == 2 * 4  # two states stored (nodes 4 and 8), whole
+    finally:
+        ours.close()
+    again, c2 = tier.attach("ours", kv, pools, tmp_path)
+    try:
+        if tier.persists:
+            assert mamba_indexer_answers(c2) == MAMBA_INDEXER_EXPECTED
+            check_mamba_indexer_loads(c2, kv, indexer, state)
+    finally:
+        again.close()
+
+
 def test_a_page_evicted_while_its_batch_is_stored_is_not_answered_present(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

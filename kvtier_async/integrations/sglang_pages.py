@@ -23,6 +23,7 @@ loads the other's pages.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -141,9 +142,13 @@ class BlockLayout:
         return cls.packed_page(runs.page_nbytes)
 
     @classmethod
-    def packed_page(cls, page_nbytes: int) -> BlockLayout:
-        """A page of `page_nbytes` as one block, zero-padded to a multiple of 4096 bytes."""
-        return cls(1, -(-page_nbytes // ALIGNMENT) * ALIGNMENT, packed=True)
+    def packed_page(cls, page_nbytes: int, max_block_nbytes: int | None = None) -> BlockLayout:
+        """A page of `page_nbytes` as one block, zero-padded to a multiple of 4096 bytes; or, past
+        `max_block_nbytes`, as that many equal blocks of at most that size as are needed (the
+        page's bytes in order, the last block's tail zero-padded)."""
+        pieces = 1 if max_block_nbytes is None else max(1, -(-page_nbytes // max_block_nbytes))
+        piece = -(-page_nbytes // pieces)
+        return cls(pieces, -(-piece // ALIGNMENT) * ALIGNMENT, packed=True)
 
     def keys(self, pages: Sequence[bytes]) -> list[bytes]:
         """The block keys of `pages`, page by page."""
@@ -283,6 +288,44 @@ class StagedPages:
                 stored += self.bridge.call(self._told(part, self.tier.store(layout.keys(part), ids), outcome))
         return stored
 
+    def store_blocks(
+        self,
+        pages: list[bytes],
+        fill_block: Callable[[int, int, torch.Tensor], None],
+        outcome: Outcome | None = None,
+    ) -> list[bool]:
+        """Store `pages` block by block: `fill_block(i, j, piece)` puts page i's bytes of block j
+        (`piece`: those bytes of its slot, as uint8) into place, and that block's store starts at
+        once, so the copy of the next block runs while this one is written (and the blocks of a
+        large page are written side by side). `outcome` hears each page's result on the loop as
+        soon as its last block is stored."""
+        layout, slots, stored = self.slots.layout, self.slots, []
+        per_page, block_nbytes = layout.blocks_per_page, layout.block_nbytes
+        for start in range(0, len(pages), slots.chunk):
+            part = pages[start : start + slots.chunk]
+            with slots.lease(len(part)) as leased:
+                tallies = [_Tally(page, per_page, outcome) for page in part]
+                pending: list[concurrent.futures.Future[None]] = []
+                try:
+                    for i, slot in enumerate(leased):
+                        keys = layout.keys([part[i]])
+                        for j in range(per_page):
+                            lo = j * block_nbytes
+                            fill_block(
+                                start + i,
+                                j,
+                                slots.tensor[slot, lo : min(lo + block_nbytes, slots.page_nbytes)],
+                            )
+                            stores = self.tier.store(keys[j : j + 1], [slot * per_page + j])
+                            pending.append(self.bridge.submit(tallies[i].told(stores)))
+                finally:
+                    # The slots are the tier's to read until every block's store has ended.
+                    concurrent.futures.wait(pending)
+                for future in pending:
+                    future.result()  # a store that raised raises here
+            stored += [tally.whole for tally in tallies]
+        return stored
+
     def load(
         self, pages: list[bytes], drain: Callable[[int, torch.Tensor], None], outcome: Outcome | None = None
     ) -> list[bool]:
@@ -308,3 +351,23 @@ class StagedPages:
         if outcome is not None:
             outcome(part, whole)
         return whole
+
+
+class _Tally:
+    """One page's block stores (`StagedPages.store_blocks`), counted on the loop: `outcome` told
+    of the page when its last block's store ends, with nothing else run in between."""
+
+    def __init__(self, page: bytes, blocks: int, outcome: Outcome | None) -> None:
+        self.page, self.left, self.outcome = page, blocks, outcome
+        self.whole = True
+
+    async def told(self, stored: Awaitable[list[bool]]) -> None:
+        try:
+            self.whole = all(await stored) and self.whole
+        except BaseException:
+            self.whole = False
+            raise
+        finally:
+            self.left -= 1
+            if not self.left and self.outcome is not None:
+                self.outcome([self.page], [self.whole])
