@@ -228,6 +228,35 @@ async def test_a_sealed_batch_of_hits_misses_and_forgeries_opens_each_into_its_o
 
 
 @pytest.mark.asyncio
+async def test_a_sealed_tier_reserves_no_more_sealing_slots_than_its_primary_has_blocks(
+    tmp_path: Path, tier_secret_env: str
+) -> None:
+    """Four 4 MiB primary blocks: four sealing slots (not one per block of every lane, 192 MiB),
+    and every block still stored and loaded through them, two calls at once included."""
+    spec = OffloadingSpec(block_nbytes=4 << 20, num_cpu_blocks=4, namespace="fs-sealed-slots")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    tier = kt.SecondaryTierFactory.create_secondary_tier(
+        {"type": "fs", "root": str(tmp_path), "secret_env": tier_secret_env}, primary.view, spec
+    )
+    keys = [h.key_for(i) for i in range(4)]
+    async with tier:
+        assert tier.stats()["sealed_slot_bytes"] <= 4 * (tier.record_bytes + 4096)
+        for slot in range(4):
+            primary.slot_view(slot)[:] = bytes([slot + 1]) * spec.block_nbytes
+        stored = await asyncio.gather(tier.store(keys[:2], [0, 1]), tier.store(keys[2:], [2, 3]))
+        assert stored == [[True, True], [True, True]]
+        for slot in range(4):
+            primary.slot_view(slot)[:] = bytes(spec.block_nbytes)
+        assert await tier.load(keys[::-1], [0, 1, 2, 3]) == [True] * 4
+        assert [bytes(primary.slot_view(slot)[:1]) for slot in range(4)] == [
+            b"\x04",
+            b"\x03",
+            b"\x02",
+            b"\x01",
+        ]
+
+
+@pytest.mark.asyncio
 async def test_hostile_keys_stay_inside_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
     tier, primary = h.make_tier(str(root))

@@ -151,8 +151,12 @@ class FileSystemTier(SecondaryTierManager):
         self.sealed_slots: SlotPool | None = None
         records_view = self.primary_kv_view
         if self.codec.sealed:
+            # No more records in flight than the primary memory has blocks: a tier over a few
+            # page slots (SGLang's extra pools: 64 MiB) needs no 200 MiB of sealing slots. Calls
+            # that move one primary block twice at once wait for a slot, as past the cap.
+            primary_bytes = offloading_spec.num_cpu_blocks * -(-self.record_bytes // 4096) * 4096
             self.sealed_slots = for_batches_in_flight(
-                offloading_spec.limits, self.record_bytes, SEALED_SLOTS_BYTES
+                offloading_spec.limits, self.record_bytes, min(SEALED_SLOTS_BYTES, primary_bytes)
             )
             records_view = self.sealed_slots.view
         self._records_base = buffer_address(records_view)
