@@ -47,8 +47,8 @@ cache (its disk write comes later, outside the clock): raw / file says which of 
 disk allows to be faster in those rounds.
 
 Flat pages for both generic sides are made before the clock starts. Also the time of a warm
-`batch_exists` of 128 keys (median of 200 calls). Every byte loaded by kvtier and raw is
-checked.
+`batch_exists` of 128 keys (median of 200 calls). Every byte loaded by kvtier is checked (raw's
+reads are not).
 """
 
 from __future__ import annotations
