@@ -499,14 +499,19 @@ def test_an_mha_draft_pool_beside_mla_kv_is_per_rank_at_tp2(fs: dict[str, Any], 
 
 
 # -- layouts and bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize("blocks", ["one block", "several blocks"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_every_layout_of_an_extra_pool_round_trips_byte_exact(
-    layout: str, fs: dict[str, Any], tmp_path: Path
+    layout: str, blocks: str, fs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SGLang's host layouts for a draft pool: each pool page stored and loaded as its own flat page."""
+    """SGLang's host layouts for a draft pool: each pool page stored and loaded as its own flat
+    page, whole or (a page past `EXTRA_BLOCK_BYTES`) cut into blocks of the flat page's bytes."""
+    if blocks == "several blocks":
+        monkeypatch.setattr(sglang_pools, "EXTRA_BLOCK_BYTES", 4096)
     kv, draft = mha_pool("page_first", tokens=512), mha_pool(layout, tokens=512)
     backend, _ = attach("ours", fs, kv, {DRAFT: draft}, tmp_path)
     try:
+        assert (backend._pools._entry(DRAFT).layout.blocks_per_page > 1) is (blocks == "several blocks")
         ks = chain(2, 16)[1]
         slots = torch.arange(0, 2 * draft.page_size)
         assert backend.batch_set_v2([PoolTransfer(name=DRAFT, host_indices=slots, keys=ks)]) == {
