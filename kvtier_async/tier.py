@@ -54,9 +54,10 @@ STATS_COUNTERS = (
 class SecondaryTierManager(TierResource):
     """Async store / load / lookup of primary-tier slots to and from one secondary tier.
 
-    Usable at once after construction (`await tier.store(...)`); `async with tier:`
-    closes it at the end. Opening work a backend needs runs before its first
-    operation, off the event-loop thread.
+    `async with tier:` starts it (`start`: a configuration that can never work raises its
+    `ConfigError` there) and closes it at the end. Usable at once after construction too
+    (`await tier.store(...)`): opening work a backend needs then runs before its first
+    operation. Either way off the event-loop thread.
     """
 
     #: Whether `store` asks `contains` first and writes only the keys not held. A backend whose

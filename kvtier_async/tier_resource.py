@@ -1,13 +1,12 @@
 """`TierResource`: what every secondary tier is as a resource, apart from what it stores.
 
 Its spec and the primary memory it moves blocks to and from (slots by number, or blocks
-anywhere on its 4096-byte grid by view); the scheduler whose
-worker threads run its blocking work; opening once, at a cache's start-up (`start`) or before
-its first operation (a failed opening retried by the next, counted as a fault; at start-up,
-a `ConfigError` raised); closing once, after
-the operations in flight, letting go of the primary view; its name, counters and
-fault guard. `SecondaryTierManager` (in `tier`) builds the store / load / lookup
-contract on it.
+anywhere on its 4096-byte grid by view); the scheduler whose worker threads run its blocking
+work; opening once, at a start-up (`start`: `async with tier:`, a cache's `async with`) or
+before its first operation (a failed opening retried by the next, counted as a fault; at
+start-up, a `ConfigError` raised); closing once, after the operations in flight, letting go
+of the primary view; its name, counters and fault guard. `SecondaryTierManager` (in `tier`)
+builds the store / load / lookup contract on it.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ __all__ = ["INLINE_CPU_BYTES", "TierResource"]
 # The name a tier's faults have always been logged under.
 log = logging.getLogger("kvtier_async.tier")
 T = TypeVar("T")
+R = TypeVar("R", bound="TierResource")
 
 #: CPU work over at most this many bytes runs on the event loop (`run_cpu`): copying and hashing
 #: 1 MiB takes ~0.1 ms, less than a worker thread takes to wake, run it and wake the loop again
@@ -175,12 +175,21 @@ class TierResource(AsyncResource):
             await self._open_once(partial(self._start_and_open, True))
 
     async def start(self) -> None:
-        """Open the backend as a start-up does (a cache's `async with`): a
+        """Open the backend as a start-up does (`async with tier:`, a cache's `async with`): a
         configuration that can never work raises its `ConfigError`; a fault that may pass (a
         server down, a full disk) is counted and logged, and the next operation tries again.
         """
         with self._operation():
             await self._ensure_open(starting=True)
+
+    async def __aenter__(self: R) -> R:
+        """Start the tier (`start`); if that raises, close it before raising."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()  # `async with` will not: its body never started
+            raise
+        return self
 
     async def aclose(self) -> None:
         """Wait for operations in flight, then close the backend and let go of the primary view.

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import probe_tier  # noqa: F401 - imported up front: a first import reads files
+import probe_tier
 import pytest
 from child_env import child_env
 
@@ -27,14 +27,16 @@ async def test_stores_beyond_the_pending_budget_are_dropped() -> None:
 
     spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=16, max_pending_stores=4)
     primary = kt.PrimaryTier(spec, pin_memory=False)
-    tier = kt.SecondaryTierFactory.create_secondary_tier({"type": "memory"}, primary.view, spec)
-    async with tier:
+    config = {"type": "ProbeTier", "module_path": "probe_tier"}
+    async with kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec) as tier:
+        assert isinstance(tier, probe_tier.ProbeTier)
         keys = [make_key(i) for i in range(10)]
-        first, second = await asyncio.gather(
-            tier.store(keys[:6], list(range(6))), tier.store(keys[6:], list(range(6, 10)))
-        )
-        assert first == [True] * 4 + [False] * 2  # the excess of a call is dropped at once
-        assert second == [False] * 4  # the budget was taken by the first call
+        tier.gates["contains"].clear()  # the first call holds its budget until the test lets it on
+        first = asyncio.ensure_future(tier.store(keys[:6], list(range(6))))
+        await tier.until(lambda: tier.held["contains"] == 1)
+        assert await tier.store(keys[6:], list(range(6, 10))) == [False] * 4  # the budget is taken
+        tier.gates["contains"].set()
+        assert await first == [True] * 4 + [False] * 2  # the excess of a call is dropped at once
         assert tier.stats()["stores_dropped"] == 6
         assert tier.stats()["lanes"]["store"]["pending_blocks"] == 0
         assert await tier.store(keys[6:], list(range(6, 10))) == [True] * 4  # budget back
@@ -72,13 +74,33 @@ async def test_a_failed_open_is_a_fault_not_an_exception_and_is_retried() -> Non
     spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=4)
     primary = kt.PrimaryTier(spec, pin_memory=False)
     config = {"type": "FlakyOpenTier", "module_path": "probe_tier"}
-    async with kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec) as tier:
+    tier = kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec)
+    try:  # not started: the first store opens it
         assert await tier.store([make_key(0)], [0]) == [False]
         stats = tier.stats()
         assert stats["errors"] == 1 and stats["store_failed_blocks"] == 1
         assert stats["lanes"]["store"]["pending_blocks"] == 0
         assert await tier.store([make_key(0)], [0]) == [True]  # opened on the second try
         assert await tier.load([make_key(0)], [1]) == [True]
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_open_at_start_is_a_fault_not_an_exception_and_is_retried() -> None:
+    import kvtier_async as kt
+    from kvtier_async.testing import make_key
+
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=4)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    config = {"type": "FlakyOpenTier", "module_path": "probe_tier"}
+    # Its first open fails as a server not up yet would: `async with` starts it degraded.
+    async with kt.SecondaryTierFactory.create_secondary_tier(config, primary.view, spec) as tier:
+        assert isinstance(tier, probe_tier.FlakyOpenTier)
+        assert tier.open_attempts == 1 and tier.stats()["errors"] == 1
+        assert await tier.store([make_key(0)], [0]) == [True]  # opened by the next call
+        assert await tier.load([make_key(0)], [1]) == [True]
+        assert tier.open_attempts == 2
 
 
 FORGETFUL_TIER = """

@@ -595,7 +595,9 @@ def open_root(root: Path, *, create: bool) -> Folder:
     it is a directory of this user that nobody else may write, where others could plant or swap
     what we read. Checked through the descriptor we keep, so what is checked is what is used."""
     if create:
-        make_private_dir(root)
+        # A file where the root or a folder above it should be: refused just below.
+        with contextlib.suppress(FileExistsError, NotADirectoryError):
+            make_private_dir(root)
     try:
         # The operator's path: a symlink to the root is the operator's choice.
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
