@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import select
 import threading
@@ -379,6 +380,26 @@ def test_close_leaves_no_thread_and_closes_the_event_fds(fs: dict[str, Any]) -> 
         os.fstat(fd)
     with pytest.raises(Exception, match="closed"):
         adapter.submit_store_task([key(2)], [chunk()])
+
+
+def test_a_root_others_may_write_fails_each_store_with_the_message(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Misconfiguration: an fs root of mode 0777. The adapter opens a tier per object size, on the
+    # first store of that size (LMCache names no size when it builds the adapter): that store
+    # fails, logging the tier's ConfigError, and so does each later one; nothing is stored there.
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o777)
+    adapter = build({"type": "fs", "root": str(root)})
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier_async.integrations.lmcache"):
+            for seed in range(2):
+                assert not store(adapter, [key(seed)], [chunk(seed=seed)]).is_successful()
+        assert caplog.text.count("written by group or others") == 2
+        assert os.listdir(root) == []
+    finally:
+        adapter.close()
 
 
 def test_bad_configuration_is_refused_when_lmcache_builds_the_adapter(tmp_path: Path) -> None:

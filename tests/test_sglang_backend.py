@@ -396,6 +396,30 @@ def test_get_stats_reports_through_sglangs_storage_metrics(fs: dict[str, Any]) -
         backend.close()
 
 
+def test_a_root_others_may_write_fails_sglangs_start_up_with_the_message(tmp_path: Path) -> None:
+    # Misconfiguration: an fs root of mode 0777; SGLang must not start with a tier that never
+    # stores a byte.
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o777)
+    with pytest.raises(ConfigError, match="written by group or others"):
+        build({"type": "fs", "root": str(root)}, mha_pool("page_first"))
+
+
+def test_a_redis_server_down_at_start_up_starts_sglang_with_the_tier_degraded(tmp_path: Path) -> None:
+    # A fault that may pass: the server is down while SGLang starts. The backend starts; the
+    # tier's opening is counted, and its calls retry it.
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = servers.RedisServer(tmp_path / "redis")  # not started
+    backend = build({"type": "redis", "url": server.url, "timeout_s": 0.5}, mha_pool("page_first"))
+    try:
+        assert backend._main is not None
+        assert backend._main.stats()["errors"] == 1
+    finally:
+        backend.close()
+
+
 def test_bad_configuration_fails_at_start_up_naming_the_key(tmp_path: Path) -> None:
     pool = mha_pool("page_first")
     with pytest.raises(ConfigError, match='"tier"'):

@@ -332,6 +332,29 @@ def test_the_adapter_is_a_vllm_tier_and_needs_a_nested_tier(tmp_path: Path) -> N
         make_manager([{**ADAPTER, "tier": {"type": "memory"}, "locality": "MARS"}])
 
 
+def test_a_root_others_may_write_stops_the_engine_at_start_up_with_the_message(tmp_path: Path) -> None:
+    # Misconfiguration: an fs root of mode 0777. vLLM must not start "with" a tier that never
+    # stores a byte: building the manager raises the tier's ConfigError.
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o777)
+    with pytest.raises(kt.ConfigError, match="written by group or others"):
+        make_manager(ours({"type": "fs", "root": str(root)}))
+
+
+def test_a_redis_server_down_at_start_up_starts_the_engine_with_the_tier_degraded(tmp_path: Path) -> None:
+    # A fault that may pass: the server is down while vLLM starts. The engine starts; the tier's
+    # opening is counted, and its calls retry it (as a bare tier's or a cache's start-up does).
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = servers.RedisServer(tmp_path / "redis")  # not started
+    engine = Engine(make_manager(ours({"type": "redis", "url": server.url, "timeout_s": 0.5})))
+    (adapter,) = engine.manager.secondary_tiers
+    assert adapter._tier.stats()["errors"] == 1
+    assert not adapter._tier.closed
+    assert engine.shutdown() == []
+
+
 def documented_transfer_configs(page: str) -> dict[str, dict[str, Any]]:
     """The `--kv-transfer-config` JSON of each `vllm serve` command on a page, by tier type."""
     text = (Path(__file__).resolve().parent.parent / page).read_text()

@@ -14,7 +14,8 @@ only the loop knows when that has stopped. At shutdown `settle` gives the tasks
 in flight a grace period, then cancels and awaits the rest.
 
 `engine_config` reads the two keys every integration takes from its engine's
-plug-in config, `"tier"` and `"limits"`, with the same checks and errors.
+plug-in config, `"tier"` and `"limits"`, with the same checks and errors; `start_tier`
+makes and starts a tier the way every integration does.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from typing import Any, TypeVar
 
 from ..errors import ClosedError, ConfigError
 from ..factory import SecondaryTierFactory
-from ..spec import LIMIT_FIELDS
+from ..spec import LIMIT_FIELDS, OffloadingSpec
+from ..tier import SecondaryTierManager
 
-__all__ = ["LoopThread", "engine_config", "settle"]
+__all__ = ["LoopThread", "engine_config", "settle", "start_tier"]
 
 T = TypeVar("T")
 
@@ -164,3 +166,15 @@ def engine_config(who: str, where: str, params: Mapping[str, Any]) -> tuple[dict
         raise ConfigError(f'{who}: "limits" must be a dict of {sorted(LIMIT_FIELDS)}, got {limits!r}')
     SecondaryTierFactory.get_tier_class(tier["type"], tier.get("module_path"))
     return dict(tier), dict(limits)
+
+
+async def start_tier(
+    config: Mapping[str, Any], primary_kv_view: memoryview, spec: OffloadingSpec
+) -> SecondaryTierManager:
+    """The tier `config` names over `primary_kv_view`, started as `async with tier:` starts one
+    (on the loop): a configuration that can never work (a root others may write, a bucket that
+    does not exist) raises its `ConfigError`, the tier closed, so that the engine's start-up
+    stops with the message; a fault that may pass (a server down, a full disk) is counted and
+    logged, and the tier's calls read as misses and failed stores until an opening succeeds."""
+    tier = SecondaryTierFactory.create_secondary_tier(config, primary_kv_view, spec)
+    return await tier.__aenter__()  # closes the tier if it raises

@@ -26,10 +26,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ..buffers import copy_into
-from ..factory import SecondaryTierFactory
 from ..primary import reserve_host_memory
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
+from .bridge import start_tier
 
 __all__ = [
     "MAX_SLOTS",
@@ -293,12 +293,7 @@ class SizeClasses:
             namespace=f"lmcache:{nbytes}",
             **self.limits,
         )
-        tier = SecondaryTierFactory.create_secondary_tier(self.tier_config, primary, spec)
-        try:
-            await tier.open()
-        except BaseException:
-            await tier.aclose()
-            raise
+        tier = await start_tier(self.tier_config, primary, spec)
         if self.on_removed is not None:
             tier.removal_listeners.append(self.on_removed)
         # Never more in the tier's hands than its pending-store budget (`SizeClass`).

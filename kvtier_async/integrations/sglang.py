@@ -74,10 +74,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from ..errors import ClosedError, ConfigError, InvalidArgumentError
-from ..factory import SecondaryTierFactory
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
-from .bridge import LoopThread, engine_config
+from .bridge import LoopThread, engine_config, start_tier
 from .known_keys import KnownKeys
 from .sglang_hits import hit_answer
 from .sglang_pages import BlockLayout, PageRuns, PageSlots, StagedPages, flat_order
@@ -245,12 +244,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         )
 
     async def _open(self, spec: OffloadingSpec, view: memoryview, *, kv: bool = True) -> KVTier:
-        tier = SecondaryTierFactory.create_secondary_tier(self.tier_config, view, spec)
-        try:
-            await tier.open()
-        except BaseException:
-            await tier.aclose()
-            raise
+        tier = await start_tier(self.tier_config, view, spec)
         if kv:  # what the KV pages' tier lets go of is forgotten by `batch_exists`
             tier.removal_listeners.append(self._on_removed)
         return tier

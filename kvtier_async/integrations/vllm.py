@@ -50,11 +50,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .. import __version__
 from ..errors import ClosedError, ConfigError, InvalidArgumentError
-from ..factory import SecondaryTierFactory
 from ..keys import check_block_ids, check_keys, check_lengths
 from ..spec import OffloadingSpec
 from ..tier import SecondaryTierManager as KVTier
-from .bridge import LoopThread, settle
+from .bridge import LoopThread, settle, start_tier
 from .lookup_answers import LookupAnswers
 from .vllm_metrics import METRICS, TierMetrics, metric_definitions, tier_label
 
@@ -91,8 +90,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
             (vLLM also picks back-pressure defaults from it).
         limits: kvtier scheduler sizing (`io_threads`, `max_inflight_loads`, ...).
 
-    The tier is opened while vLLM builds its manager, so a tier that cannot open (a root in
-    use by another engine, a server that is down) stops the engine at start-up with the cause.
+    The tier is started while vLLM builds its manager (`bridge.start_tier`): a configuration
+    that can never work (a root others may write, a bucket that does not exist) stops the
+    engine's start-up with its `ConfigError`; a fault that may pass (a server down) is counted
+    and logged, and the engine starts with the tier degraded until it opens.
     """
 
     # Every instance sets its own from the tier it wraps; see _PLACEMENT.
@@ -148,12 +149,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             raise
 
     async def _open(self, config: Mapping[str, Any]) -> KVTier:
-        tier = SecondaryTierFactory.create_secondary_tier(config, self._primary_kv_view, self.spec)
-        try:
-            await tier.open()
-        except BaseException:
-            await tier.aclose()
-            raise
+        tier = await start_tier(config, self._primary_kv_view, self.spec)
         tier.removal_listeners.append(self._on_removed)
         self._metrics.refresh_gauges(tier)
         return tier
