@@ -258,9 +258,10 @@ class TierContractTests(BlocksByViewTests):
             await tier.delete(keys)
         assert stored == [True] * n and loaded == [True] * n
         assert self.read(primary, list(range(n, 2 * n))) == payloads
-        held = {"store": store_hold.longest_s, "load": load_hold.longest_s}
-        assert max(held.values()) <= self.max_loop_hold_s, (
-            f"the loop's thread computed for {held} s (CPU) without coming back to the loop"
+        held = {"store": store_hold, "load": load_hold}
+        assert max(hold.longest_s for hold in held.values()) <= self.max_loop_hold_s, (
+            "the loop's thread computed without coming back to the loop for "
+            + ", ".join(f"{call}: {hold.describe()}" for call, hold in held.items())
         )
 
     @pytest.mark.asyncio

@@ -10,6 +10,10 @@ time: a thread that waits for a CPU on a busy machine, or for the GIL, gains non
 figure does not grow with the machine's load. The garbage collector is held off meanwhile (a
 full collection takes as long as the whole heap's size makes it, whoever allocated).
 
+On Linux it also counts the longest stretch's page faults (`longest_page_faults`): memory the
+loop's thread touched for the first time (a large buffer allocated on the loop), which the kernel
+zeroes or reclaims on the thread's CPU time, rather than Python or a native step of its own.
+
 Works on any asyncio loop (uvloop too); Linux, macOS and Windows have a per-thread clock.
 """
 
@@ -17,7 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import time
+
+if sys.platform == "linux":  # per-thread counts
+    from resource import RUSAGE_THREAD, getrusage
 
 __all__ = ["LoopHold"]
 
@@ -29,16 +37,28 @@ class LoopHold:
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.longest_s = 0.0
+        #: The page faults of the longest stretch (Linux; else 0).
+        self.longest_page_faults = 0
         self.ticks = 0
         self._last = 0.0
+        self._last_faults = 0
         self._handle: asyncio.TimerHandle | None = None
         self._gc_was_enabled = False
 
     def _measure(self) -> None:
-        now = time.thread_time()
-        self.longest_s = max(self.longest_s, now - self._last)
+        now, faults = time.thread_time(), _page_faults()
+        if now - self._last > self.longest_s:
+            self.longest_s = now - self._last
+            self.longest_page_faults = faults - self._last_faults
         self.ticks += 1
-        self._last = now
+        self._last, self._last_faults = now, faults
+
+    def describe(self) -> str:
+        """The longest stretch, in words."""
+        text = f"{self.longest_s * 1e3:.1f} ms of CPU"
+        if sys.platform == "linux":
+            text += f" ({self.longest_page_faults} page faults)"
+        return text
 
     def _tick(self) -> None:
         self._measure()
@@ -48,7 +68,7 @@ class LoopHold:
         self._gc_was_enabled = gc.isenabled()
         gc.collect()
         gc.disable()
-        self._last = time.thread_time()
+        self._last, self._last_faults = time.thread_time(), _page_faults()
         self._handle = asyncio.get_running_loop().call_later(self.period, self._tick)
         return self
 
@@ -58,3 +78,11 @@ class LoopHold:
         self._measure()  # the stretch since the last tick counts too
         if self._gc_was_enabled:
             gc.enable()
+
+
+def _page_faults() -> int:
+    """The calling thread's page faults so far (Linux; else 0)."""
+    if sys.platform != "linux":
+        return 0
+    usage = getrusage(RUSAGE_THREAD)
+    return usage.ru_minflt + usage.ru_majflt
