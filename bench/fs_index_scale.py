@@ -1,0 +1,193 @@
+"""Benchmark: the fs tier's index at scale: memory per block, open time, lookup and store rates,
+and the garbage collector's pauses with the index full.
+
+    python bench/fs_index_scale.py                      # 100,000 then 1,000,000 blocks of 4 KiB
+    python bench/fs_index_scale.py --blocks 200000      # one size
+
+For each size, in fresh processes on one new root (the index does not depend on the block
+size: 4 KiB blocks let a million fit on a small disk):
+
+- a writer stores N blocks (store rate), then, with them all held, looks every key up (lookup
+  rate), runs full collections (the longest `gc.callbacks` pause) and reports what its memory
+  grew by from before it opened the tier (RSS per block);
+- while the writer still holds the root, a second process opens it and looks every key up: its
+  RSS growth per block (what each further engine process on the host pays);
+- once the writer has exited, a restarted process opens the root: the time from its first call
+  to the return of its first lookup (one key).
+
+The start-up heap is frozen (`gc.freeze()`) before the tier opens, as vLLM's engine core does, so
+a full collection's pause is that of the objects made since: the index's, for the most part.
+
+Each process's keys are made before its baseline RSS is read, so the keys a caller holds anyway
+are not counted as the index's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import kvtier_async as kt
+from kvtier_async.tiers.fs import FileSystemTier
+
+BATCH = 4096
+NAMESPACE = "index-scale"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class GcPauses:
+    """The longest collection seen (`gc.callbacks`), per generation."""
+
+    def __init__(self) -> None:
+        self.longest = [0.0, 0.0, 0.0]
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            generation = info["generation"]
+            self.longest[generation] = max(self.longest[generation], time.perf_counter() - self._started)
+
+
+def the_keys(blocks: int) -> list[bytes]:
+    return kt.block_hashes(range(blocks * 16), 16, namespace=NAMESPACE)
+
+
+async def lookups_per_s(tier: FileSystemTier, keys: list[bytes]) -> float:
+    started = time.perf_counter()
+    for start in range(0, len(keys), BATCH):
+        part = keys[start : start + BATCH]
+        found = await tier.lookup(part)
+        assert found == len(part), found
+    return len(keys) / (time.perf_counter() - started)
+
+
+async def fill(root: Path, blocks: int, block_kib: int) -> dict[str, Any]:
+    keys = the_keys(blocks)
+    spec = kt.OffloadingSpec(block_nbytes=block_kib * 1024, num_cpu_blocks=BATCH, namespace=NAMESPACE)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    primary.view[:] = b"\x01" * len(primary.view)  # touched now: not counted as the index's
+    gc.collect()
+    gc.freeze()  # the start-up heap (torch and all) out of the collections, as vLLM's engine does
+    pauses = GcPauses()
+    before = rss_bytes()
+    capacity = blocks * (block_kib * 1024 + 1024) * 2
+    async with FileSystemTier(spec, primary.view, root=str(root), capacity_bytes=capacity) as tier:
+        started = time.perf_counter()
+        for start in range(0, blocks, BATCH):
+            part = keys[start : start + BATCH]
+            assert all(await tier.store(part, list(range(len(part)))))
+        store_s = time.perf_counter() - started
+        lookup_rate = await lookups_per_s(tier, keys)
+        grown = rss_bytes() - before
+        during_fill = max(pauses.longest)
+        pauses.longest = [0.0, 0.0, 0.0]
+        for _ in range(3):
+            gc.collect()
+        out = {
+            "blocks": blocks,
+            "store_blocks_per_s": blocks / store_s,
+            "lookup_blocks_per_s": lookup_rate,
+            "rss_bytes_per_block": grown / blocks,
+            "gc_full_pause_ms": pauses.longest[2] * 1e3,
+            "gc_pause_during_fill_ms": during_fill * 1e3,
+        }
+        print(json.dumps(out), flush=True)
+        sys.stdin.readline()  # the second process has measured: close
+    return out
+
+
+async def open_second(root: Path, blocks: int, block_kib: int) -> dict[str, Any]:
+    keys = the_keys(blocks)
+    spec = kt.OffloadingSpec(block_nbytes=block_kib * 1024, num_cpu_blocks=BATCH, namespace=NAMESPACE)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    primary.view[:] = b"\x01" * len(primary.view)
+    gc.collect()
+    before = rss_bytes()
+    capacity = blocks * (block_kib * 1024 + 1024) * 2
+    tier = FileSystemTier(spec, primary.view, root=str(root), capacity_bytes=capacity)
+    started = time.perf_counter()
+    found = await tier.lookup(keys[:1])  # opens the tier: its first call
+    first_lookup_s = time.perf_counter() - started
+    assert found == 1, found
+    lookup_rate = await lookups_per_s(tier, keys)
+    grown = rss_bytes() - before
+    await tier.aclose()
+    return {
+        "open_first_lookup_s": first_lookup_s,
+        "rss_bytes_per_block": grown / blocks,
+        "lookup_blocks_per_s": lookup_rate,
+    }
+
+
+def child(role: str, root: Path, blocks: int, block_kib: int) -> subprocess.Popen[str]:
+    command = [sys.executable, __file__, "--role", role, "--root", str(root)]
+    command += ["--blocks", str(blocks), "--block-kib", str(block_kib)]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def one_size(blocks: int, block_kib: int, parent: Path | None) -> None:
+    root = Path(tempfile.mkdtemp(prefix="kvtier-index-scale-", dir=parent))
+    try:
+        writer = child("fill", root, blocks, block_kib)
+        assert writer.stdin is not None and writer.stdout is not None
+        wrote = json.loads(writer.stdout.readline())
+        second = child("open", root, blocks, block_kib)
+        seen = json.loads(second.communicate()[0])
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        writer.wait()
+        restarted = json.loads(child("open", root, blocks, block_kib).communicate()[0])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"{blocks:,} blocks of {block_kib} KiB: "
+        f"RSS/block {wrote['rss_bytes_per_block']:.0f} B (writer), "
+        f"{seen['rss_bytes_per_block']:.0f} B (a second process); "
+        f"open + first lookup (restarted) {restarted['open_first_lookup_s']:.2f} s; "
+        f"lookups {wrote['lookup_blocks_per_s']:,.0f} blocks/s (writer), "
+        f"{seen['lookup_blocks_per_s']:,.0f} (second); "
+        f"stores {wrote['store_blocks_per_s']:,.0f} blocks/s; "
+        f"longest gc pause: full collection {wrote['gc_full_pause_ms']:.1f} ms, "
+        f"during the fill {wrote['gc_pause_during_fill_ms']:.1f} ms",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--block-kib", type=int, default=4)
+    parser.add_argument("--dir", type=Path, default=None, help="where the roots are made (default: tmp)")
+    parser.add_argument("--role", choices=["fill", "open"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role is None:
+        for blocks in args.blocks:
+            one_size(blocks, args.block_kib, args.dir)
+        return
+    (blocks,) = args.blocks
+    work = fill if args.role == "fill" else open_second
+    result = asyncio.run(work(args.root, blocks, args.block_kib))
+    if args.role == "open":
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
