@@ -77,7 +77,7 @@ class _FsModel:
     writes: int = 0
 
     def holds(self, key: bytes) -> bool:
-        return key in self.index.where
+        return self.index.find(key) is not None
 
     def read(self, key: bytes) -> None:
         pinned = self.index.pin(key)  # a read pins the record, and its unpin makes it newest
@@ -85,7 +85,7 @@ class _FsModel:
             self.index.unpin(*pinned)
 
     def write(self, key: bytes) -> None:
-        if key in self.index.where:
+        if self.index.find(key) is not None:
             return  # the tier holds it: not written again
         if not self.index.free and self.claimed < self.max_slabs:
             state = OwnSlab(records=self.slab_records, data_fd=-1, log_fd=-1, log_entries=0, end=0)

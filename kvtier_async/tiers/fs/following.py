@@ -55,7 +55,7 @@ class Following:
         """Refresh when a key is unknown and the last refresh is older than the interval."""
         if time.monotonic() - self._last_refresh < self.interval_s:
             return
-        if any(key not in self.index.where for key in keys):
+        if not all(self.index.holds_each(keys)):
             await self.refresh()
 
     async def _refresh_task(self) -> None:

@@ -5,20 +5,38 @@ thread only. It keeps this process's own slabs (their free records, the publishe
 least-recently-used order, the ones pinned by reads and holds, the ones freed while read)
 and what it has read of the other processes' logs (`SlabFiles.read_news`). Where a transition
 means a file descriptor may be closed, it returns the descriptor: the tier closes it.
+
+It holds no Python object per block, so that its memory is a few tens of bytes a block plus the
+key's length, and garbage collections never walk it: a key is found through `KeyTable` (a hash
+table in two flat arrays), and what each record holds (its key, payload checksum, age, place in
+the least-recently-used order, state) lives in flat per-slab columns (`Columns`). Only what is
+bounded by the operations in flight (pins, holds, records freed while read) is kept in sets and
+dicts.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
+
+from .key_table import KeyTable
 from .layout import ENTRY, Entry, coarse_time_ns, latest_per_record
 
-__all__ = ["Claim", "LogNews", "OtherSlab", "OwnSlab", "Record", "SlabIndex"]
+__all__ = ["Claim", "Columns", "LogNews", "OtherSlab", "OwnSlab", "Record", "SlabIndex"]
 
 Record = tuple[int, int]  # (slab, record index)
+
+_RECORD_BITS = 32  # a record's id: its slab number above these bits, its index in the slab below
+_RECORD_MASK = (1 << _RECORD_BITS) - 1
+_NONE = -1  # no record (an end of the least-recently-used list)
+_IN_LRU = 1  # Columns.flags: published, unpinned, in the least-recently-used list
+_DISK_LIVE = 2  # Columns.flags: the record's last log entry names a block
 
 
 @dataclass(slots=True)
@@ -41,7 +59,6 @@ class OtherSlab:
     data_fd: int
     log_inode: int = 0
     log_offset: int = 0
-    records: set[int] = field(default_factory=set)  # those in our index
     newest: int = 0  # the newest entry's sequence number (`RecordIO.next_seq`): the slab's age
     readers: int = 0  # reads in flight on data_fd
     gone: bool = False  # forgotten: data_fd closes when the last reader is done
@@ -69,27 +86,108 @@ class Claim:
     disk_full: bool  # the disk had room for only part of it
 
 
+class Columns:
+    """What each record of one slab holds, in flat arrays indexed by record: the key (in a
+    fixed-width arena, as wide as the longest key it has held, and its length: 0 for no entry), the
+    payload checksum and, for our own slabs, the age, the neighbours in the least-recently-used
+    list (record ids) and the state flags."""
+
+    __slots__ = ("ages", "checksums", "flags", "keys", "lengths", "newer", "older", "width")
+
+    def __init__(self, records: int, *, own: bool, width: int = 0) -> None:
+        self.width = width
+        self.keys = bytearray(records * width)
+        self.lengths = bytearray(records)
+        self.checksums = _zeros("Q", records)
+        own_records = records if own else 0
+        self.ages = _zeros("q", own_records)
+        self.older = _zeros("q", own_records)
+        self.newer = _zeros("q", own_records)
+        self.flags = bytearray(own_records)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.checksums, self.ages, self.older, self.newer)
+        return len(self.keys) + len(self.lengths) + len(self.flags) + sum(8 * len(a) for a in arrays)
+
+    def key(self, record: int) -> bytearray | None:
+        n = self.lengths[record] if record < len(self.lengths) else 0
+        if not n:
+            return None
+        start = record * self.width
+        return self.keys[start : start + n]
+
+    def set(self, record: int, key: bytes, checksum: int) -> None:
+        if record >= len(self.lengths):
+            self._grow(record + 1)  # another's slab: as many records as its log has named
+        if len(key) > self.width:
+            self._widen(len(key))
+        start = record * self.width
+        self.keys[start : start + len(key)] = key
+        self.lengths[record] = len(key)
+        self.checksums[record] = checksum
+
+    def clear(self, record: int) -> None:
+        if record < len(self.lengths):
+            self.lengths[record] = 0
+
+    def _grow(self, records: int) -> None:
+        more = max(records, 2 * len(self.lengths)) - len(self.lengths)
+        self.keys += bytes(more * self.width)
+        self.lengths += bytes(more)
+        self.checksums += _zeros("Q", more)
+
+    def _widen(self, width: int) -> None:
+        """A longer key than any before: every record's key moved to rows of `width` bytes."""
+        old, old_width = self.keys, self.width
+        self.keys = bytearray(len(self.lengths) * width)
+        for record, n in enumerate(self.lengths if old_width else ()):
+            if n:
+                self.keys[record * width : record * width + n] = old[
+                    record * old_width : record * old_width + n
+                ]
+        self.width = width
+
+
+def _zeros(typecode: str, n: int) -> array[int]:
+    out = array(typecode)
+    out.frombytes(bytes(8 * n))
+    return out
+
+
+def _id(slab: int, record: int) -> int:
+    return slab << _RECORD_BITS | record
+
+
+def _where(record_id: int) -> Record:
+    return record_id >> _RECORD_BITS, record_id & _RECORD_MASK
+
+
 class SlabIndex:
     """The records of a namespace's slabs, ours and the other processes', and the keys in them.
 
-    A key is found through `where`; a record's key and payload checksum through `entry`. Our
-    records move between: free (`free`, popped from the end), published (`lru`, oldest first,
-    unless pinned), pinned (`readers`: reads in flight and holds; never evicted or reused) and
-    doomed (dropped while pinned: free at the last unpin). `disk_live` marks our records whose
-    last log entry names a block, so that reusing one logs a deletion first.
+    A key is found through `find` (`KeyTable`); a record's key and payload checksum through
+    `key_of` and `checksum_of` (`Columns`). Our records move between: free (`free`, record ids
+    popped from the end), published (the least-recently-used list, oldest first, unless
+    pinned), pinned (`readers`: reads in flight and holds; never evicted or reused) and doomed
+    (dropped while pinned: free at the last unpin). A record is "disk live" when its last log
+    entry names a block, so that reusing it logs a deletion first.
     """
 
     def __init__(self, record_bytes: int) -> None:
         self.record_bytes = record_bytes
-        self.where: dict[bytes, Record] = {}  # key -> the record we read it from
-        self.entry: dict[Record, tuple[bytes, int]] = {}  # record -> (key, payload checksum)
-        self.lru: OrderedDict[Record, None] = OrderedDict()  # own, published, unpinned; oldest first
+        self.columns: dict[int, Columns] = {}  # slab -> what its records hold
+        self.table = KeyTable(self._key_at, same_keys=self._same_keys)  # key -> its record (id)
         self.readers: Counter[Record] = Counter()
         self.doomed: set[Record] = set()  # own, dropped while pinned: freed at the last unpin
         self.holds: dict[bytes, list[Record]] = {}  # `hold`s not yet released: each pins its record
-        self.free: list[Record] = []  # own records that hold nothing; popped from the end
-        self.disk_live: set[Record] = set()  # own records whose last log entry names a block
-        self.age: dict[Record, int] = {}  # own published records: when written (`clock`)
+        self.free = array("q")  # ids of own records that hold nothing; popped from the end
+        self._oldest = _NONE  # the least-recently-used list's ends (record ids)
+        self._newest = _NONE
+        self._published = 0  # records in that list
         #: What a block published now is as old as, in the logs' sequence numbers (the tier's
         #: `RecordIO.current_seq`; the coarse clock where there are no logs).
         self.clock: Callable[[], int] = coarse_time_ns
@@ -97,36 +195,160 @@ class SlabIndex:
         self.others: dict[int, OtherSlab] = {}
 
     # -- what is where ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Keys indexed: blocks this process can read."""
+        return len(self.table)
+
+    def find(self, key: bytes) -> Record | None:
+        """The record we read `key` from; None if no record we know of holds it."""
+        found = self.table.get(key)
+        return None if found < 0 else _where(found)
+
+    def holds_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether some record we know of holds each of `keys` (`find` of a batch, faster)."""
+        return [found >= 0 for found in self.table.get_many(keys)]
+
+    def key_of(self, where: Record) -> bytes | None:
+        """The key `where` holds, as far as we know; None if none."""
+        columns = self.columns.get(where[0])
+        key = None if columns is None else columns.key(where[1])
+        return None if key is None else bytes(key)
+
+    def checksum_of(self, where: Record) -> int:
+        """The payload checksum of an indexed record."""
+        return self.columns[where[0]].checksums[where[1]]
+
+    def nbytes(self) -> int:
+        """Bytes the index's arrays take (its sets and dicts of operations in flight aside)."""
+        return self.table.nbytes + 8 * len(self.free) + sum(c.nbytes for c in self.columns.values())
+
     def own_blocks(self) -> int:
         """Blocks in our slabs: published, and pinned."""
-        return len(self.lru) + sum(1 for w in self.readers if w[0] in self.own)
+        return self._published + sum(1 for w in self.readers if w[0] in self.own)
 
     def used_bytes(self) -> int:
         """Bytes our slabs take on disk: their data files and their logs."""
         return sum(s.end + s.log_entries * ENTRY for s in self.own.values())
+
+    def _key_at(self, record_id: int) -> bytearray | None:
+        columns = self.columns.get(record_id >> _RECORD_BITS)
+        return None if columns is None else columns.key(record_id & _RECORD_MASK)
+
+    def _same_keys(
+        self, record_ids: np.ndarray[Any, np.dtype[np.int64]], rows: np.ndarray[Any, np.dtype[np.uint8]]
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Whether each record holds the key in its row of `rows` (keys of one length): `_key_at`
+        for a batch (`KeyTable.get_many`), compared in numpy, slab by slab."""
+        same = np.zeros(len(rows), dtype=bool)
+        length = rows.shape[1]
+        slabs = record_ids >> _RECORD_BITS
+        records = record_ids & _RECORD_MASK
+        for slab in np.unique(slabs).tolist():
+            columns = self.columns.get(slab)
+            if columns is None or columns.width < length:
+                continue
+            at = np.flatnonzero(slabs == slab)
+            held = records[at]
+            inside = held < len(columns)
+            at, held = at[inside], held[inside]
+            stored = np.frombuffer(columns.keys, dtype=np.uint8).reshape(len(columns), columns.width)
+            lengths = np.frombuffer(columns.lengths, dtype=np.uint8)
+            same[at] = (lengths[held] == length) & (stored[held, :length] == rows[at]).all(axis=1)
+        return same
+
+    def _index(self, where: Record, key: bytes, checksum: int) -> None:
+        """`where` holds `key`, and `key` is found there."""
+        self.columns[where[0]].set(where[1], key, checksum)
+        self.table.put(key, _id(*where))
+
+    def _unindex(self, where: Record) -> bytes | None:
+        """`where` holds nothing we know of (its key, if it was found there, no longer is);
+        returns the key it held."""
+        columns = self.columns.get(where[0])
+        key = None if columns is None else columns.key(where[1])
+        if columns is None or key is None:
+            return None
+        held = bytes(key)
+        self.table.remove(held, _id(*where))  # before the key goes: the table confirms by it
+        columns.clear(where[1])
+        return held
+
+    def _disk_live(self, where: Record) -> bool:
+        return bool(self.columns[where[0]].flags[where[1]] & _DISK_LIVE)
+
+    def _set_disk_live(self, where: Record, live: bool) -> None:
+        flags = self.columns[where[0]].flags
+        flags[where[1]] = flags[where[1]] | _DISK_LIVE if live else flags[where[1]] & ~_DISK_LIVE
+
+    # -- the least-recently-used list of our published, unpinned records -------------------------
+    def _in_lru(self, where: Record) -> bool:
+        columns = self.columns.get(where[0])
+        return columns is not None and where[0] in self.own and bool(columns.flags[where[1]] & _IN_LRU)
+
+    def _lru_add(self, where: Record, *, newest: bool = True) -> None:
+        """`where` at the newest end of the list (or the oldest), taken out first if in it."""
+        self._lru_remove(where)
+        columns, record, rid = self.columns[where[0]], where[1], _id(*where)
+        columns.flags[record] |= _IN_LRU
+        self._published += 1
+        if newest:
+            columns.older[record], columns.newer[record] = self._newest, _NONE
+            if self._newest == _NONE:
+                self._oldest = rid
+            else:
+                self._link(self._newest).newer[self._newest & _RECORD_MASK] = rid
+            self._newest = rid
+        else:
+            columns.older[record], columns.newer[record] = _NONE, self._oldest
+            if self._oldest == _NONE:
+                self._newest = rid
+            else:
+                self._link(self._oldest).older[self._oldest & _RECORD_MASK] = rid
+            self._oldest = rid
+
+    def _lru_remove(self, where: Record) -> None:
+        if not self._in_lru(where):
+            return
+        columns, record = self.columns[where[0]], where[1]
+        columns.flags[record] &= ~_IN_LRU
+        self._published -= 1
+        older, newer = columns.older[record], columns.newer[record]
+        if older == _NONE:
+            self._oldest = newer
+        else:
+            self._link(older).newer[older & _RECORD_MASK] = newer
+        if newer == _NONE:
+            self._newest = older
+        else:
+            self._link(newer).older[newer & _RECORD_MASK] = older
+
+    def _link(self, record_id: int) -> Columns:
+        return self.columns[record_id >> _RECORD_BITS]
 
     # -- room ------------------------------------------------------------------------------------
     def take_free(self) -> tuple[Record, bool] | None:
         """One of our free records, and whether a deletion must be logged before it is written."""
         if not self.free:
             return None
-        where = self.free.pop()
-        return where, where in self.disk_live
+        where = _where(self.free.pop())
+        return where, self._disk_live(where)
 
     def evict_oldest(self) -> tuple[bytes, Record, bool] | None:
         """Our least recently used unpinned block, forgotten: (its key, its record, whether a
         deletion must be logged before the record is written again)."""
-        if not self.lru:
+        if self._oldest == _NONE:
             return None
-        where, _ = self.lru.popitem(last=False)
-        key, _ = self.entry.pop(where)
-        del self.where[key]
-        self.age.pop(where, None)
-        return key, where, where in self.disk_live
+        where = _where(self._oldest)
+        self._lru_remove(where)
+        key = self._unindex(where)
+        assert key is not None, "a published record holds a key"
+        return key, where, self._disk_live(where)
 
     def adoptable(self) -> list[int]:
         """Other slabs, oldest first, whose blocks are all older than our oldest one."""
-        oldest = self.age.get(next(iter(self.lru)), 0) if self.lru else None
+        oldest = None
+        if self._oldest != _NONE:
+            oldest = self._link(self._oldest).ages[self._oldest & _RECORD_MASK]
         return sorted(
             (slab for slab, other in self.others.items() if oldest is None or other.newest < oldest),
             key=lambda slab: self.others[slab].newest,
@@ -140,53 +362,54 @@ class SlabIndex:
         slab, state = claim.slab, claim.state
         to_close = self.forget_other(slab)
         self.own[slab] = state
+        columns = self.columns[slab] = Columns(state.records, own=True)
         live = [(r, e) for r, e in latest_per_record(claim.entries).items() if r < state.records]
         # What it held is older than anything we wrote: oldest first at the cold end of the LRU.
         for record, e in reversed(live):
             where = (slab, record)
             if e.deleted:
                 continue
-            self.disk_live.add(where)
-            held = self.where.get(e.key)
+            columns.flags[record] |= _DISK_LIVE
+            held = self.find(e.key)
             if held is not None and held[0] in self.own:
                 continue  # we hold this key elsewhere: this record is room
-            self.where[e.key] = where
-            self.entry[where] = (e.key, e.checksum)
-            self.age[where] = e.seq
+            self._index(where, e.key, e.checksum)
+            columns.ages[record] = e.seq
             if not self.readers[where]:
-                self.lru[where] = None
-                self.lru.move_to_end(where, last=False)
-        free = []
+                self._lru_add(where, newest=False)
+        free = array("q")
         for record in range(state.records - 1, -1, -1):  # popped from the end: record 0 first
             where = (slab, record)
-            if where in self.entry:
+            if columns.lengths[record]:
                 continue
             if self.readers[where]:
                 self.doomed.add(where)  # read as another's record: room once that read ends
             else:
-                free.append(where)
+                free.append(_id(slab, record))
         # Behind what is left of the slab before (claimed ahead): that one fills first, in order.
-        self.free[:0] = free
+        self.free = free + self.free
         return to_close
 
     def shrink_to_disk(self) -> None:
         """The disk is full: our slabs hold only the records their files already have room for."""
         for state in self.own.values():
             state.records = max(1, min(state.records, state.end // self.record_bytes))
-        self.free = [w for w in self.free if w[1] < self.own[w[0]].records]
+        self.free = array(
+            "q", (r for r in self.free if r & _RECORD_MASK < self.own[r >> _RECORD_BITS].records)
+        )
 
     # -- writes ----------------------------------------------------------------------------------
     def touch(self, where: Record) -> None:
         """A block stored again: most recently used."""
-        if where in self.lru:
-            self.lru.move_to_end(where)
+        if self._in_lru(where):
+            self._lru_add(where)
 
     def abandon(self, wheres: list[Record]) -> None:
         """Records taken for writes that were cancelled: free again, and as their log now says
         who knows what, a deletion goes first when they are reused."""
         for where in wheres:
-            self.disk_live.add(where)
-            self.free.append(where)
+            self._set_disk_live(where, True)
+            self.free.append(_id(*where))
 
     def settle_writes(
         self,
@@ -206,41 +429,37 @@ class SlabIndex:
         published = []
         for (key, where, deletion), state, checksum in zip(writes, status, checksums):
             if deletion and state != "kept":
-                self.disk_live.discard(where)  # the deletion was logged
+                self._set_disk_live(where, False)  # the deletion was logged
             published.append(state == "ok")
             if state == "ok":
                 self.publish(key, where, checksum)
                 continue
             if state != "nospace":
-                self.free.append(where)
+                self.free.append(_id(*where))
             elif (where[1] + 1) * self.record_bytes <= self.own[where[0]].end:
-                self.free.append(where)  # overwriting bytes the file has needs no new room
+                self.free.append(_id(*where))  # overwriting bytes the file has needs no new room
             if state == "kept":
-                self.disk_live.add(where)
+                self._set_disk_live(where, True)
         return published
 
     def publish(self, key: bytes, where: Record, checksum: int) -> None:
-        old = self.where.get(key)
+        old = self.find(key)
         if old is not None and old[0] in self.own:  # stored twice concurrently: keep the newer
             self.drop(old)
-        self.where[key] = where
-        self.entry[where] = (key, checksum)
-        self.lru[where] = None
-        self.age[where] = self.clock()
-        self.disk_live.add(where)
+        self._index(where, key, checksum)
+        self._lru_add(where)
+        self.columns[where[0]].ages[where[1]] = self.clock()
+        self._set_disk_live(where, True)
 
     # -- forgetting ------------------------------------------------------------------------------
     def drop(self, where: Record) -> None:
         """Forget one of our published records; free it now, or when its last pin goes."""
-        entry = self.entry.pop(where, None)
-        if entry is not None and self.where.get(entry[0]) == where:
-            del self.where[entry[0]]
-        self.lru.pop(where, None)
-        self.age.pop(where, None)
+        self._unindex(where)
+        self._lru_remove(where)
         if self.readers[where]:
             self.doomed.add(where)
         else:
-            self.free.append(where)
+            self.free.append(_id(*where))
 
     def forget(self, where: Record) -> None:
         """Forget a record, ours or another's (deleted, found corrupt or stale)."""
@@ -250,13 +469,7 @@ class SlabIndex:
             self.unindex_other(*where)
 
     def unindex_other(self, slab: int, record: int) -> None:
-        where = (slab, record)
-        entry = self.entry.pop(where, None)
-        if entry is not None and self.where.get(entry[0]) == where:
-            del self.where[entry[0]]
-        other = self.others.get(slab)
-        if other is not None:
-            other.records.discard(record)
+        self._unindex((slab, record))
 
     def forget_other(self, slab: int) -> int | None:
         """Forget another's slab (its files are gone, or it became ours); returns its data
@@ -264,11 +477,16 @@ class SlabIndex:
         other = self.others.get(slab)
         if other is None:
             return None
-        for record in list(other.records):
-            self.unindex_other(slab, record)
+        self._unindex_slab(slab)
+        del self.columns[slab]
         del self.others[slab]
         other.gone = True
         return other.data_fd if other.readers == 0 else None
+
+    def _unindex_slab(self, slab: int) -> None:
+        for record, n in enumerate(self.columns[slab].lengths):
+            if n:
+                self._unindex((slab, record))
 
     # -- the other processes' news ---------------------------------------------------------------
     def apply_news(self, news: LogNews) -> int | None:
@@ -281,35 +499,35 @@ class SlabIndex:
             if news.data_fd is None:
                 return None
             other = self.others[news.slab] = OtherSlab(news.data_fd)
+            self.columns[news.slab] = Columns(0, own=False)
         else:
             to_close = news.data_fd
         if news.reset:
-            for record in list(other.records):
-                self.unindex_other(news.slab, record)
+            self._unindex_slab(news.slab)
         other.log_inode, other.log_offset = news.inode, news.offset
         other.newest = max([other.newest, *(e.seq for e in news.entries)])
         for e in news.entries:
-            self.unindex_other(news.slab, e.record)
+            where = (news.slab, e.record)
+            self._unindex(where)
             if not e.deleted:
-                where = (news.slab, e.record)
-                self.entry[where] = (e.key, e.checksum)
-                other.records.add(e.record)
-                held = self.where.get(e.key)
+                held = self.find(e.key)
                 if held is None or held[0] not in self.own:
-                    self.where[e.key] = where
+                    self._index(where, e.key, e.checksum)
+                else:  # we hold it: found in ours, but this record's entry is known
+                    self.columns[news.slab].set(e.record, e.key, e.checksum)
         return to_close
 
     # -- pins: reads in flight and holds -----------------------------------------------------------
     def pin(self, key: bytes) -> tuple[Record, OwnSlab | OtherSlab] | None:
         """Pin the record holding `key` for a read (never evicted or reused until unpinned)."""
-        where = self.where.get(key)
+        where = self.find(key)
         if where is None:
             return None
         slab = self.own.get(where[0]) or self.others[where[0]]
         if isinstance(slab, OtherSlab):
             slab.readers += 1
         self.readers[where] += 1
-        self.lru.pop(where, None)
+        self._lru_remove(where)
         return where, slab
 
     def unpin(self, where: Record, slab: OwnSlab | OtherSlab) -> int | None:
@@ -325,19 +543,19 @@ class SlabIndex:
         del self.readers[where]
         if where in self.doomed:
             self.doomed.discard(where)
-            self.free.append(where)
-        elif where in self.entry and where[0] in self.own:
-            self.lru[where] = None  # most recently used now
+            self.free.append(_id(*where))
+        elif where[0] in self.own and self.key_of(where) is not None:
+            self._lru_add(where)  # most recently used now
         return to_close
 
     def hold(self, key: bytes) -> bool:
         """Pin our record of `key` until `release`; another process's record is its writer's to
         evict: False."""
-        where = self.where.get(key)
+        where = self.find(key)
         if where is None or where[0] not in self.own:
             return False
         self.readers[where] += 1
-        self.lru.pop(where, None)
+        self._lru_remove(where)
         self.holds.setdefault(key, []).append(where)
         return True
 

@@ -316,9 +316,9 @@ class FileSystemTier(SecondaryTierManager):
         if not self.removal_listeners:
             return
         self._keys_of_names.update((name, key) for name, key, ok in zip(names, keys, held) if ok)
-        if len(self._keys_of_names) > 2 * len(self.index.where) + 1024:
-            where = self.index.where
-            self._keys_of_names = {n: k for n, k in self._keys_of_names.items() if n in where}
+        if len(self._keys_of_names) > 2 * len(self.index) + 1024:
+            find = self.index.find
+            self._keys_of_names = {n: k for n, k in self._keys_of_names.items() if find(n) is not None}
 
     def _removed(self, names: list[bytes]) -> None:
         """Tell the listeners of the keys behind `names`, which this tier no longer holds."""
@@ -335,7 +335,7 @@ class FileSystemTier(SecondaryTierManager):
         jobs: list[tuple[int, bytes, Record, bool]] = []
         try:
             for i, key in enumerate(keys):
-                where = index.where.get(key)
+                where = index.find(key)
                 if where is not None:
                     results[i] = True
                     index.touch(where)
@@ -398,7 +398,7 @@ class FileSystemTier(SecondaryTierManager):
             nothing = [False] * len(keys)
             return nothing, nothing
         work: list[ReadJob] = [
-            (slab.data_fd, where, index.entry[where][1], self._slot_offset(blocks[i]))
+            (slab.data_fd, where, index.checksum_of(where), self._slot_offset(blocks[i]))
             for i, _, where, slab in jobs
         ]
         try:
@@ -420,7 +420,7 @@ class FileSystemTier(SecondaryTierManager):
         for (_, key, where, _), status in zip(jobs, outcome):
             if status == "ok":
                 continue
-            if status == "error" or index.entry.get(where, (None,))[0] != key:
+            if status == "error" or index.key_of(where) != key:
                 continue  # a fault, or forgotten meanwhile
             index.forget(where)
             if status == "corrupt":
@@ -454,7 +454,7 @@ class FileSystemTier(SecondaryTierManager):
             return [False] * len(keys)
         names = self._names(keys)
         await self.following.refresh_if_missing(names)
-        found = [name in self.index.where for name in names]
+        found = self.index.holds_each(names)
         if self.codec.sealed:
             self._remember(names, keys, found)
         return found
@@ -465,7 +465,7 @@ class FileSystemTier(SecondaryTierManager):
             return 0
         dropped = []
         for name in self._names(keys):
-            where = self.index.where.get(name)
+            where = self.index.find(name)
             if where is None:
                 continue
             dropped.append((name, where))
@@ -483,7 +483,7 @@ class FileSystemTier(SecondaryTierManager):
             "unauthenticated_blocks": self.counters["unauthenticated_blocks"],
             # Symlinks, FIFOs and other users' files where ours belong, skipped (this process).
             "foreign_files_skipped": layout.foreign_files_skipped(),
-            "blocks": len(self.index.where),
+            "blocks": len(self.index),
             "own_blocks": self.index.own_blocks(),
             "used_bytes": self.index.used_bytes(),
             "capacity_bytes": self.capacity_bytes,

@@ -1,0 +1,142 @@
+"""The fs tier's index at scale: no Python object per block, a few tens of bytes a block plus the
+key, keys confirmed in full (a hash collision is a miss, never another key's bytes)."""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+from pathlib import Path
+
+import fs_helpers as h
+import pytest
+
+from kvtier_async.tiers.fs import key_table
+from kvtier_async.tiers.fs.index import Claim, OwnSlab, SlabIndex
+from kvtier_async.tiers.fs.key_table import KeyTable
+
+SLAB_RECORDS = 4096
+KEY_BYTES = 32
+
+
+def claim_slab(index: SlabIndex, slab: int) -> None:
+    state = OwnSlab(records=SLAB_RECORDS, data_fd=-1, log_fd=-1, log_entries=0, end=0)
+    index.take_claim(Claim(slab, state, [], disk_full=False))
+
+
+def fill(index: SlabIndex, keys: list[bytes]) -> None:
+    """Publish `keys` as the tier does: a free record each, a slab claimed when none is left."""
+    for key in keys:
+        taken = index.take_free()
+        if taken is None:
+            claim_slab(index, len(index.own))
+            taken = index.take_free()
+            assert taken is not None
+        index.publish(key, taken[0], len(key))
+
+
+def test_200k_blocks_take_a_few_tens_of_bytes_each_and_no_python_object() -> None:
+    keys = [h.key_for(i) for i in range(200_000)]
+    index = SlabIndex(4096)
+    fill(index, keys[:8192])
+    gc.collect()
+    objects, blocks = len(gc.get_objects()), sys.getallocatedblocks()
+    fill(index, keys[8192:])
+    gc.collect()
+    assert len(index) == len(keys) and all(index.find(key) is not None for key in keys[::997])
+    # Neither what the garbage collector walks nor Python's small allocations of any kind (bytes
+    # and ints too) grow with the blocks held: a few hundred (the slabs' state and columns).
+    assert len(gc.get_objects()) - objects < 1000
+    assert sys.getallocatedblocks() - blocks < 1000
+    # The arrays, then: the key (32 bytes), its checksum, age and neighbours in the LRU, flags,
+    # and a hash table slot of 16 bytes, 25 to 70% of the slots used.
+    assert index.nbytes() / len(keys) <= KEY_BYTES + 90
+    assert (
+        index.holds_each([*keys[:5000], *[h.key_for(i, b"absent") for i in range(5000)]])
+        == [True] * 5000 + [False] * 5000
+    )
+
+
+def test_the_lru_evicts_in_the_order_blocks_were_last_used() -> None:
+    index = SlabIndex(4096)
+    keys = [h.key_for(i) for i in range(SLAB_RECORDS)]
+    fill(index, keys)
+    pinned = index.pin(keys[0])  # read: newest when the read ends
+    assert pinned is not None
+    index.unpin(*pinned)
+    stored_again = index.find(keys[1])
+    assert stored_again is not None
+    index.touch(stored_again)  # newest
+    assert index.hold(keys[2])  # never evicted while held
+    order = [index.evict_oldest() for _ in range(SLAB_RECORDS - 1)]
+    assert index.evict_oldest() is None  # only the held one is left
+    assert [e[0] for e in order if e is not None] == [*keys[3:], keys[0], keys[1]]
+    index.release(keys[2])
+    evicted = index.evict_oldest()
+    assert evicted is not None and evicted[0] == keys[2]
+    assert len(index) == 0
+
+
+def test_two_keys_of_one_hash_each_find_their_own_record() -> None:
+    index = SlabIndex(4096)
+    index.table = KeyTable(index._key_at, hash_key=lambda key: 7, same_keys=index._same_keys)  # all collide
+    keys = [h.key_for(i) for i in range(200)]
+    fill(index, keys[:150])
+    assert [index.find(key) for key in keys[150:]] == [None] * 50  # same hash, another key: a miss
+    assert index.holds_each(keys) == [True] * 150 + [False] * 50  # the batch's way: the same
+    assert [index.key_of(index.find(key) or (0, 0)) for key in keys[:150]] == keys[:150]
+    for key in keys[:150:2]:
+        index.drop(index.find(key) or (0, 0))
+    expected = [i % 2 == 1 for i in range(150)] + [False] * 50
+    assert [index.find(key) is not None for key in keys] == expected
+    assert index.holds_each(keys) == expected
+
+
+def test_keys_of_every_length_share_a_slab() -> None:
+    index = SlabIndex(4096)
+    keys = [bytes([i]) * n for i, n in enumerate([1, 8, 32, 33, 100, 128, 5])]
+    fill(index, keys)
+    assert [index.key_of(index.find(key) or (0, 0)) for key in keys] == keys
+    assert index.find(b"\x04" * 99) is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_table_answers_as_a_dict_through_growth_and_removals(seed: int) -> None:
+    rng = random.Random(seed)
+    held: dict[int, bytes] = {}  # record id -> its key
+    table = KeyTable(held.get, hash_key=lambda key: key[0] + 7 * key[1])  # 1500 keys, 256+ hashes
+    model: dict[bytes, int] = {}
+    for step in range(8_000):
+        key = rng.randrange(1500).to_bytes(4, "little")
+        if rng.random() < 0.6:  # stored: the key's record is this step's
+            held[step] = key
+            table.put(key, step)
+            if key in model:
+                del held[model[key]]
+            model[key] = step
+        elif key in model:
+            assert table.remove(key, model[key])
+            del held[model.pop(key)]
+        if step % 1000 == 0:
+            assert all(table.get(k) == v for k, v in model.items())
+    assert len(table) == len(model)
+    assert all(table.get(k) == v for k, v in model.items())
+    assert table.get(b"none") == -1
+    absent = [i.to_bytes(4, "little") for i in range(1500, 1600)]
+    assert table.get_many([*model, *absent]) == [*model.values()] + [-1] * len(absent)
+
+
+@pytest.mark.asyncio
+async def test_a_hash_collision_through_the_tier_is_a_miss_never_the_other_keys_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(key_table, "key_hash", lambda key: 12345)  # every key collides
+    tier, primary = h.make_tier(str(tmp_path))
+    stored, other = [h.key_for(i) for i in range(4)], h.key_for(99)
+    async with tier:
+        assert all(await h.store_keys(tier, primary, stored))
+        assert await tier.lookup([other]) == 0
+        assert await h.load_and_check(tier, primary, [other, *stored]) == [False, True, True, True, True]
+    second, primary = h.make_tier(str(tmp_path))  # a restart, following the logs
+    async with second:
+        assert await h.load_and_check(second, primary, [*stored, other]) == [True, True, True, True, False]
