@@ -506,16 +506,21 @@ class SlabIndex:
             self._unindex_slab(news.slab)
         other.log_inode, other.log_offset = news.inode, news.offset
         other.newest = max([other.newest, *(e.seq for e in news.entries)])
+        # A refresh after a restart indexes every block of the namespace here: one probe of the
+        # table per entry, and the record's columns set before its key is found there.
+        columns, put, first_id = self.columns[news.slab], self.table.put, _id(news.slab, 0)
         for e in news.entries:
-            where = (news.slab, e.record)
-            self._unindex(where)
+            record = e.record
+            if record < len(columns) and columns.lengths[record]:
+                self._unindex((news.slab, record))
             if not e.deleted:
-                held = self.find(e.key)
-                if held is None or held[0] not in self.own:
-                    self._index(where, e.key, e.checksum)
-                else:  # we hold it: found in ours, but this record's entry is known
-                    self.columns[news.slab].set(e.record, e.key, e.checksum)
+                columns.set(record, e.key, e.checksum)
+                # Where we hold the key, it is found in ours; this record's entry is known.
+                put(e.key, first_id | record, self._is_own)
         return to_close
+
+    def _is_own(self, record_id: int) -> bool:
+        return record_id >> _RECORD_BITS in self.own
 
     # -- pins: reads in flight and holds -----------------------------------------------------------
     def pin(self, key: bytes) -> tuple[Record, OwnSlab | OtherSlab] | None:

@@ -139,8 +139,9 @@ class KeyTable:
     ) -> np.ndarray[Any, np.dtype[np.bool_]]:
         return self._same_keys_one_by_one(record_ids, [row.tobytes() for row in rows])
 
-    def put(self, key: bytes, record_id: int) -> None:
-        """Map `key` to `record_id`, in place of the record it was mapped to, if any."""
+    def put(self, key: bytes, record_id: int, keep: Callable[[int], bool] | None = None) -> None:
+        """Map `key` to `record_id`, in place of the record it was mapped to, if any (unless
+        `keep` of that record says to keep it)."""
         h = self._hash(key)
         ids, hashes, mask, key_of = self._ids, self._hashes, self._mask, self._key_of
         i = h & mask
@@ -153,7 +154,8 @@ class KeyTable:
                 if reuse < 0:
                     reuse = i
             elif hashes[i] == h and key_of(v - 1) == key:
-                ids[i] = record_id + 1
+                if keep is None or not keep(v - 1):
+                    ids[i] = record_id + 1
                 return
             i = (i + 1) & mask
         if reuse >= 0:
