@@ -3,6 +3,7 @@ and the garbage collector's pauses with the index full.
 
     python bench/fs_index_scale.py                      # 100,000 then 1,000,000 blocks of 4 KiB
     python bench/fs_index_scale.py --blocks 200000      # one size
+    python bench/fs_index_scale.py --json out.json      # and the results as JSON
 
 For each size, in fresh processes on one new root (the index does not depend on the block
 size: 4 KiB blocks let a million fit on a small disk):
@@ -142,7 +143,7 @@ def child(role: str, root: Path, blocks: int, block_kib: int) -> subprocess.Pope
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def one_size(blocks: int, block_kib: int, parent: Path | None) -> None:
+def one_size(blocks: int, block_kib: int, parent: Path | None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="kvtier-index-scale-", dir=parent))
     try:
         writer = child("fill", root, blocks, block_kib)
@@ -168,6 +169,7 @@ def one_size(blocks: int, block_kib: int, parent: Path | None) -> None:
         f"during the fill {wrote['gc_pause_during_fill_ms']:.1f} ms",
         flush=True,
     )
+    return {"block_kib": block_kib, "writer": wrote, "second": seen, "restarted": restarted}
 
 
 def main() -> None:
@@ -175,12 +177,14 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--block-kib", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where the roots are made (default: tmp)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--role", choices=["fill", "open"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role is None:
-        for blocks in args.blocks:
-            one_size(blocks, args.block_kib, args.dir)
+        results = [one_size(blocks, args.block_kib, args.dir) for blocks in args.blocks]
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
         return
     (blocks,) = args.blocks
     work = fill if args.role == "fill" else open_second

@@ -183,6 +183,41 @@ def steady_section() -> list[str]:
     return lines
 
 
+def index_scale_section() -> list[str]:
+    record = load("fs_index_scale")
+    lines = [
+        "## The fs index at scale",
+        "",
+        "What each process pays in memory for the blocks on disk, how long a restarted process",
+        "takes to serve its first lookup, and the garbage collector's longest pause with the index",
+        "full (`bench/fs_index_scale.py`). A writer fills a new root with 4 KiB blocks (the index",
+        "does not depend on the block size), then looks every key up; a second process opens the",
+        "root while the writer holds it and looks every key up; once the writer has exited, a",
+        "restarted process opens the root and looks one key up. RSS is counted from just before",
+        "each process opens the tier, its keys already made; the start-up heap is frozen",
+        "(`gc.freeze()`), so a full collection's pause is that of what came after, the index's",
+        "for the most part. The index keeps no Python object per block (a hash table and",
+        "per-slab columns in flat arrays), so no collection walks it; opening still replays",
+        "every slab's log.",
+        "",
+        provenance(record),
+        "",
+        "| blocks | RSS per block, writer | RSS per block, second process | open + first lookup "
+        "(restarted) | lookups, blocks/s | stores, blocks/s | longest full collection |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in record["results"]:
+        writer, second, restarted = r["writer"], r["second"], r["restarted"]
+        lines.append(
+            f"| {writer['blocks']:,} | {writer['rss_bytes_per_block']:.0f} B | "
+            f"{second['rss_bytes_per_block']:.0f} B | {restarted['open_first_lookup_s']:.2f} s | "
+            f"{writer['lookup_blocks_per_s']:,.0f} | {writer['store_blocks_per_s']:,.0f} | "
+            f"{writer['gc_full_pause_ms']:.1f} ms |"
+        )
+    lines.append("")
+    return lines
+
+
 def peer_medians() -> dict[tuple[int, str, str], dict[str, Any]]:
     """Per block size in MiB, our kind of memory and harness: the median of each side's rounds,
     the rounds' ratios (each round pairs the two on the same minute of the disk) and their
@@ -1063,6 +1098,8 @@ def render(out: Path) -> str:
         lines += steady_section()
     if (RECORDS / "fs_staging.json").exists():
         lines += staging_section()
+    if (RECORDS / "fs_index_scale.json").exists():
+        lines += index_scale_section()
     if (RECORDS / "peers.json").exists():
         lines += peers_section()
     lines += vllm_section()

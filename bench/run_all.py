@@ -163,6 +163,11 @@ def replay(args: argparse.Namespace) -> tuple[str, Any]:
     return shlex.join(command), run_json(command)
 
 
+def fs_index_scale(args: argparse.Namespace) -> tuple[str, Any]:
+    command = [PY, "bench/fs_index_scale.py"]
+    return shlex.join(command), run_json(command)
+
+
 def eviction_policies(args: argparse.Namespace) -> tuple[str, Any]:
     command = [PY, "bench/eviction_policies.py"]
     return shlex.join(command), run_json(command)
@@ -172,6 +177,7 @@ RECORDERS: dict[str, Callable[[argparse.Namespace], tuple[str, Any]]] = {
     "fs_tier": fs_tier,
     "fs_steady": fs_steady,
     "fs_staging": fs_staging,
+    "fs_index_scale": fs_index_scale,
     "peers": peers,
     "vllm_tiers": vllm_tiers,
     "loop_lag": loop_lag,

@@ -77,6 +77,12 @@ def test_fs_open_bench_runs(tmp_path: Path) -> None:
     assert "open (cold)" in bench("fs_open.py", "--blocks", "500", "--dir", tmp_path)
 
 
+def test_fs_index_scale_bench_runs(tmp_path: Path) -> None:
+    (row,) = bench_records("fs_index_scale.py", tmp_path, "--blocks", "3000")
+    assert row["writer"]["blocks"] == 3000 and row["writer"]["lookup_blocks_per_s"] > 0
+    assert row["restarted"]["open_first_lookup_s"] > 0 and "rss_bytes_per_block" in row["second"]
+
+
 def test_gpu_check_runs_on_the_cpu_fallback() -> None:
     """The GPU acceptance script on a machine without CUDA: the checks CPU tensors can stand in
     for pass (round trips of four layouts through the primary and a cold fs tier, padding on

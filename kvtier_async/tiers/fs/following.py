@@ -53,10 +53,20 @@ class Following:
 
     async def refresh_if_missing(self, keys: Sequence[bytes]) -> None:
         """Refresh when a key is unknown and the last refresh is older than the interval."""
-        if time.monotonic() - self._last_refresh < self.interval_s:
-            return
-        if not all(self.index.holds_each(keys)):
+        if self.due() and not all(self.index.holds_each(keys)):
             await self.refresh()
+
+    async def holds_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """`SlabIndex.holds_each`, after a refresh if a key is unknown and one is due."""
+        found = self.index.holds_each(keys)
+        if not all(found) and self.due():
+            await self.refresh()
+            found = self.index.holds_each(keys)
+        return found
+
+    def due(self) -> bool:
+        """Whether the last refresh is older than the interval."""
+        return time.monotonic() - self._last_refresh >= self.interval_s
 
     async def _refresh_task(self) -> None:
         index = self.index

@@ -249,9 +249,10 @@ class SlabIndex:
                 continue
             at = np.flatnonzero(slabs == slab)
             held = records[at]
-            inside = held < len(columns)
+            records_held = len(columns.lengths)
+            inside = held < records_held
             at, held = at[inside], held[inside]
-            stored = np.frombuffer(columns.keys, dtype=np.uint8).reshape(len(columns), columns.width)
+            stored = np.frombuffer(columns.keys, dtype=np.uint8).reshape(records_held, columns.width)
             lengths = np.frombuffer(columns.lengths, dtype=np.uint8)
             same[at] = (lengths[held] == length) & (stored[held, :length] == rows[at]).all(axis=1)
         return same

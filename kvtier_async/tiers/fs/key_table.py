@@ -40,8 +40,10 @@ SameKeys = Callable[
     ["np.ndarray[Any, np.dtype[np.int64]]", "np.ndarray[Any, np.dtype[np.uint8]]"],
     "np.ndarray[Any, np.dtype[np.bool_]]",
 ]
-#: A batch's keys still probing when this few are left are looked up one by one (`get`).
-_FEW = 64
+#: A batch's keys still probing when this few are left are looked up one by one (`get`), and
+#: so is a batch of fewer than `_BATCH` (numpy's calls cost more than they save there).
+_FEW = 8
+_BATCH = 128
 
 
 class KeyTable:
@@ -95,11 +97,12 @@ class KeyTable:
         n = len(keys)
         if not n or not self._live:
             return [-1] * n
+        if n < _BATCH:
+            return [self.get(key) for key in keys]
         wanted = np.fromiter(map(self._hash, keys), dtype=np.uint64, count=n)
-        length = len(keys[0])
         rows = None
-        if all(len(key) == length for key in keys):
-            rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(n, length)
+        if len(set(map(len, keys))) == 1:
+            rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(n, len(keys[0]))
         ids = np.frombuffer(self._ids, dtype=np.int64)
         hashes = np.frombuffer(self._hashes, dtype=np.uint64)
         mask = self._mask

@@ -453,8 +453,7 @@ class FileSystemTier(SecondaryTierManager):
         if not await self._ensure_open():
             return [False] * len(keys)
         names = self._names(keys)
-        await self.following.refresh_if_missing(names)
-        found = self.index.holds_each(names)
+        found = await self.following.holds_each(names)
         if self.codec.sealed:
             self._remember(names, keys, found)
         return found
