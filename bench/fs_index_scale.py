@@ -9,8 +9,9 @@ For each size, in fresh processes on one new root (the index does not depend on 
 size: 4 KiB blocks let a million fit on a small disk):
 
 - a writer stores N blocks (store rate), then, with them all held, looks every key up (lookup
-  rate), runs full collections (the longest `gc.callbacks` pause) and reports what its memory
-  grew by from before it opened the tier (RSS per block);
+  rate: the fastest of three passes), runs full collections (the longest `gc.callbacks` pause,
+  in the collecting thread's CPU time) and reports what its memory grew by from before it
+  opened the tier (RSS per block);
 - while the writer still holds the root, a second process opens it and looks every key up: its
   RSS growth per block (what each further engine process on the host pays);
 - once the writer has exited, a restarted process opens the root: the time from its first call
@@ -51,7 +52,9 @@ def rss_bytes() -> int:
 
 
 class GcPauses:
-    """The longest collection seen (`gc.callbacks`), per generation."""
+    """The longest collection seen (`gc.callbacks`), per generation, in the CPU time of the
+    thread that collects: what the collection costs, not how long this shared machine's
+    scheduler kept the process waiting meanwhile."""
 
     def __init__(self) -> None:
         self.longest = [0.0, 0.0, 0.0]
@@ -60,23 +63,27 @@ class GcPauses:
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._started = time.perf_counter()
+            self._started = time.thread_time()
         else:
             generation = info["generation"]
-            self.longest[generation] = max(self.longest[generation], time.perf_counter() - self._started)
+            self.longest[generation] = max(self.longest[generation], time.thread_time() - self._started)
 
 
 def the_keys(blocks: int) -> list[bytes]:
     return kt.block_hashes(range(blocks * 16), 16, namespace=NAMESPACE)
 
 
-async def lookups_per_s(tier: FileSystemTier, keys: list[bytes]) -> float:
-    started = time.perf_counter()
-    for start in range(0, len(keys), BATCH):
-        part = keys[start : start + BATCH]
-        found = await tier.lookup(part)
-        assert found == len(part), found
-    return len(keys) / (time.perf_counter() - started)
+async def lookups_per_s(tier: FileSystemTier, keys: list[bytes], passes: int = 3) -> float:
+    """Every key looked up, in batches; the fastest of `passes` passes (this machine is shared)."""
+    fastest = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        for start in range(0, len(keys), BATCH):
+            part = keys[start : start + BATCH]
+            found = await tier.lookup(part)
+            assert found == len(part), found
+        fastest = min(fastest, time.perf_counter() - started)
+    return len(keys) / fastest
 
 
 async def fill(root: Path, blocks: int, block_kib: int) -> dict[str, Any]:

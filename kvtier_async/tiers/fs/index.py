@@ -270,7 +270,7 @@ class SlabIndex:
         if columns is None or key is None:
             return None
         held = bytes(key)
-        self.table.remove(held, _id(*where))  # before the key goes: the table confirms by it
+        self.table.remove(held, _id(*where))  # its probe starts where the key hashes to
         columns.clear(where[1])
         return held
 
