@@ -1,7 +1,8 @@
 """The file-system tier (`"fs"`), one room per job along a block's way:
 
 - `tier`: `FileSystemTier`, the tier contract wired to the rooms below;
-- `index`: `SlabIndex`, which record holds which block (event-loop thread, no I/O);
+- `index`: `SlabIndex`, which record holds which block (event-loop thread, no I/O), in flat
+  arrays; `key_table`: `KeyTable`, its hash table from keys to records;
 - `slab_files`: `SlabFiles`, the namespace's files (opening, claiming a slab, following
   the other processes' logs; worker threads);
 - `records`: `RecordIO`, records and log entries written and read (worker threads);
