@@ -4,6 +4,7 @@ and the garbage collector's pauses with the index full.
     python bench/fs_index_scale.py                      # 100,000 then 1,000,000 blocks of 4 KiB
     python bench/fs_index_scale.py --blocks 200000      # one size
     python bench/fs_index_scale.py --json out.json      # and the results as JSON
+    python bench/fs_index_scale.py --against a1432f6    # that commit's tier first, at each size
 
 For each size, in fresh processes on one new root (the index does not depend on the block
 size: 4 KiB blocks let a million fit on a small disk):
@@ -44,6 +45,7 @@ import kvtier_async as kt
 from kvtier_async.tiers.fs import FileSystemTier
 
 BATCH = 4096
+REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "index-scale"
 
 
@@ -146,28 +148,32 @@ async def open_second(root: Path, blocks: int, block_kib: int) -> dict[str, Any]
     }
 
 
-def child(role: str, root: Path, blocks: int, block_kib: int) -> subprocess.Popen[str]:
+def child(role: str, root: Path, blocks: int, block_kib: int, code: Path | None) -> subprocess.Popen[str]:
+    """This script in a new process, importing kvtier_async from `code` (None: as this one does)."""
     command = [sys.executable, __file__, "--role", role, "--root", str(root)]
     command += ["--blocks", str(blocks), "--block-kib", str(block_kib)]
-    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = None if code is None else {**os.environ, "PYTHONPATH": str(code)}
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def one_size(blocks: int, block_kib: int, parent: Path | None) -> dict[str, Any]:
+def one_size(
+    blocks: int, block_kib: int, parent: Path | None, code: Path | None, label: str
+) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="kvtier-index-scale-", dir=parent))
     try:
-        writer = child("fill", root, blocks, block_kib)
+        writer = child("fill", root, blocks, block_kib, code)
         assert writer.stdin is not None and writer.stdout is not None
         wrote = json.loads(writer.stdout.readline())
-        second = child("open", root, blocks, block_kib)
+        second = child("open", root, blocks, block_kib, code)
         seen = json.loads(second.communicate()[0])
         writer.stdin.write("\n")
         writer.stdin.flush()
         writer.wait()
-        restarted = json.loads(child("open", root, blocks, block_kib).communicate()[0])
+        restarted = json.loads(child("open", root, blocks, block_kib, code).communicate()[0])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
-        f"{blocks:,} blocks of {block_kib} KiB: "
+        f"{label}: {blocks:,} blocks of {block_kib} KiB: "
         f"RSS/block {wrote['rss_bytes_per_block']:.0f} B (writer), "
         f"{seen['rss_bytes_per_block']:.0f} B (a second process); "
         f"open + first lookup (restarted) {restarted['open_first_lookup_s']:.2f} s; "
@@ -178,7 +184,16 @@ def one_size(blocks: int, block_kib: int, parent: Path | None) -> dict[str, Any]
         f"during the fill {wrote['gc_pause_during_fill_ms']:.1f} ms",
         flush=True,
     )
-    return {"block_kib": block_kib, "writer": wrote, "second": seen, "restarted": restarted}
+    return {"code": label, "block_kib": block_kib, "writer": wrote, "second": seen, "restarted": restarted}
+
+
+def checkout(commit: str, into: Path) -> Path:
+    """The kvtier_async package of `commit` of this repository, extracted under `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "kvtier_async"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
 
 
 def main() -> None:
@@ -187,11 +202,22 @@ def main() -> None:
     parser.add_argument("--block-kib", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where the roots are made (default: tmp)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--against", default=None, help="a commit of this repository to measure first, at each size"
+    )
     parser.add_argument("--role", choices=["fill", "open"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role is None:
-        results = [one_size(blocks, args.block_kib, args.dir) for blocks in args.blocks]
+        with tempfile.TemporaryDirectory() as tmp:
+            codes: list[tuple[Path | None, str]] = [(None, "this checkout")]
+            if args.against:
+                codes.insert(0, (checkout(args.against, Path(tmp)), f"commit {args.against}"))
+            results = [
+                one_size(blocks, args.block_kib, args.dir, code, label)
+                for blocks in args.blocks
+                for code, label in codes
+            ]
         if args.json is not None:
             args.json.write_text(json.dumps(results, indent=1) + "\n")
         return

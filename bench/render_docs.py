@@ -201,18 +201,20 @@ def index_scale_section() -> list[str]:
         "first collection has freed what the stores and lookups left) is that of what came after,",
         "the index's for the most part. The index keeps no Python object per block (a hash table",
         "and per-slab columns in flat arrays), so no collection walks it; opening still replays",
-        "every slab's log.",
+        "every slab's log. Each size runs first with the tier as it was before this index",
+        "(commit a1432f6: dicts of keys and records, an `OrderedDict` for the LRU), then with",
+        "the checkout's, one after the other on the same machine.",
         "",
         provenance(record),
         "",
-        "| blocks | RSS per block, writer | RSS per block, second process | open + first lookup "
-        "(restarted) | lookups, blocks/s | stores, blocks/s | longest full collection |",
-        "|---|---|---|---|---|---|---|",
+        "| blocks | code | RSS per block, writer | RSS per block, second process | open + first "
+        "lookup (restarted) | lookups, blocks/s | stores, blocks/s | longest full collection |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in record["results"]:
         writer, second, restarted = r["writer"], r["second"], r["restarted"]
         lines.append(
-            f"| {writer['blocks']:,} | {writer['rss_bytes_per_block']:.0f} B | "
+            f"| {writer['blocks']:,} | {r['code']} | {writer['rss_bytes_per_block']:.0f} B | "
             f"{second['rss_bytes_per_block']:.0f} B | {restarted['open_first_lookup_s']:.2f} s | "
             f"{writer['lookup_blocks_per_s']:,.0f} | {writer['store_blocks_per_s']:,.0f} | "
             f"{writer['gc_full_pause_ms']:.1f} ms |"

@@ -164,7 +164,7 @@ def replay(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def fs_index_scale(args: argparse.Namespace) -> tuple[str, Any]:
-    command = [PY, "bench/fs_index_scale.py"]
+    command = [PY, "bench/fs_index_scale.py", "--against", "a1432f6"]  # main before issue 66
     return shlex.join(command), run_json(command)
 
 
