@@ -9,7 +9,8 @@ are two objects, whatever it holds), and it takes 16 bytes a slot, at most 70% o
 used (removed ones included) and, after it is rebuilt, 25 to 50%: 23 to 64 bytes an entry.
 
 Growing (or clearing out removed slots) re-places every entry with numpy, in passes over the
-entries still looking for a slot, not one by one in Python: about 0.1 s a million entries.
+entries still looking for a slot, not one by one in Python; it runs on the caller's thread
+(the event loop's), once each time the table doubles.
 """
 
 from __future__ import annotations
