@@ -140,3 +140,20 @@ async def test_a_hash_collision_through_the_tier_is_a_miss_never_the_other_keys_
     second, primary = h.make_tier(str(tmp_path))  # a restart, following the logs
     async with second:
         assert await h.load_and_check(second, primary, [*stored, other]) == [True, True, True, True, False]
+
+
+def test_a_table_of_a_steady_number_of_entries_never_grows() -> None:
+    held: dict[int, bytes] = {}
+    table = KeyTable(held.get)
+    keys = [h.key_for(i) for i in range(20_000)]
+    for i, key in enumerate(keys[:600]):  # under 70% of the first 1024 slots
+        held[i] = key
+        table.put(key, i)
+    for i in range(600, len(keys)):  # a full cache: each store evicts the oldest
+        table.remove(keys[i - 600], i - 600)
+        del held[i - 600]
+        held[i] = keys[i]
+        table.put(keys[i], i)
+    assert table.nbytes == 1024 * 16 and len(table) == 600
+    assert [table.get(key) for key in keys[-600:]] == list(range(len(keys) - 600, len(keys)))
+    assert all(table.get(key) == -1 for key in keys[:-600])
