@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import fs_helpers as h
@@ -100,11 +101,20 @@ def test_keys_of_every_length_share_a_slab() -> None:
     assert index.find(b"\x04" * 99) is None
 
 
+#: Hashes that collide: 1500 keys over 256+ hashes; or over 3 hashes whose home is one of the
+#: table's last slots at every size, so that runs wrap around past the last slot into the first.
+HASHES: dict[str, Callable[[bytes], int]] = {
+    "few": lambda key: key[0] + 7 * key[1],
+    "wrapping": lambda key: (1 << 64) - 1 - key[0] % 3,
+}
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_the_table_answers_as_a_dict_through_growth_and_removals(seed: int) -> None:
+@pytest.mark.parametrize("hashes", sorted(HASHES))
+def test_the_table_answers_as_a_dict_through_growth_and_removals(seed: int, hashes: str) -> None:
     rng = random.Random(seed)
     held: dict[int, bytes] = {}  # record id -> its key
-    table = KeyTable(held.get, hash_key=lambda key: key[0] + 7 * key[1])  # 1500 keys, 256+ hashes
+    table = KeyTable(held.get, hash_key=HASHES[hashes])
     model: dict[bytes, int] = {}
     for step in range(8_000):
         key = rng.randrange(1500).to_bytes(4, "little")

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ...keys import MAX_KEY_BYTES
 from .key_table import KeyTable
 from .layout import ENTRY, Entry, coarse_time_ns, latest_per_record
 
@@ -141,14 +142,14 @@ class Columns:
         self.checksums += _zeros("Q", more)
 
     def _widen(self, width: int) -> None:
-        """A longer key than any before: every record's key moved to rows of `width` bytes."""
-        old, old_width = self.keys, self.width
-        self.keys = bytearray(len(self.lengths) * width)
-        for record, n in enumerate(self.lengths if old_width else ()):
-            if n:
-                self.keys[record * width : record * width + n] = old[
-                    record * old_width : record * old_width + n
-                ]
+        """A longer key than any before: every record's key moved to rows at least twice as wide
+        (at most `MAX_KEY_BYTES`), so a slab's keys move at most a few times whatever lengths
+        a log names, each move one numpy copy."""
+        width = max(width, min(2 * self.width, MAX_KEY_BYTES))
+        rows = np.zeros((len(self.lengths), width), dtype=np.uint8)
+        if self.width:
+            rows[:, : self.width] = np.frombuffer(self.keys, dtype=np.uint8).reshape(-1, self.width)
+        self.keys = bytearray(rows.data.cast("B"))
         self.width = width
 
 
