@@ -332,7 +332,7 @@ def test_run_all_describes_the_machine() -> None:
     assert about["cpus"] >= 1 and about["memory_gib"] > 0 and about["torch"]
     recorders = {"fs_tier", "fs_steady", "peers", "vllm_tiers", "loop_lag", "kvtier_bench", "remote_tiers"}
     recorders |= {"sglang_backend", "lmcache_l2", "fs_staging", "tier_secret", "replay"}
-    recorders |= {"eviction_policies", "secret_threads", "redis_sealed_pool"}
+    recorders |= {"eviction_policies", "secret_threads", "redis_sealed_pool", "fs_index_scale"}
     assert set(run_all.RECORDERS) == recorders
 
 
