@@ -422,3 +422,16 @@ def test_a_node_whose_port_is_no_number_is_refused_not_an_error() -> None:
     assert ("127.0.0.1", "x") not in allowed
     assert ("127.0.0.1", 7000) in allowed and ("127.0.0.1", "7000") in allowed
     assert ("10.0.0.1", "x") in allowed  # a host listed without a port: any port
+
+
+@pytest.mark.parametrize(
+    "extra", [{"nodes": ["127.0.0.1"], "cluster": True}, {"password_env": "HOME"}], ids=["nodes", "password"]
+)
+def test_nodes_or_a_password_next_to_a_client_passed_in_are_refused(extra: dict[str, Any]) -> None:
+    # Attack: a caller passes a redis-py client of its own with `nodes`, trusting the allow-list
+    # to keep the password from other nodes: the client was used as it was, `nodes` ignored.
+    from redis.asyncio import Redis
+
+    client = Redis(host="127.0.0.1", port=1)  # never connected: the tier refuses to be made
+    with pytest.raises(kt.ConfigError, match="not to a client passed in"):
+        make_tier({"url": "redis://127.0.0.1:7000/0", "client": client, **extra})

@@ -115,12 +115,13 @@ def _positive_number(name: str, value: object, *, optional: bool = False) -> Non
 class RedisTier(SecondaryTierManager):
     """Blocks as values in Redis (`cluster=True`: a Redis Cluster), each under its own name.
 
-    A `client` passed in (a `redis.asyncio.Redis` or `RedisCluster`) is used
-    as it is and not closed by the tier; otherwise the tier makes one from
-    `url` and owns it. `max_connections` bounds the pipelines the tier has at the
-    server at once (per node on a Cluster); a client passed in must allow that many. On a
-    Cluster, the tier connects only to `nodes` ("host" or "host:port"; by default the URL's
-    host), so the password goes nowhere else (`redis_client`).
+    A `client` passed in (a `redis.asyncio.Redis` or `RedisCluster`) is used as it is and not
+    closed by the tier: an escape hatch outside the tier's reply bound and node allow-list,
+    which apply only to the clients the tier makes (`nodes` and a password source next to one
+    are refused). Otherwise the tier makes one from `url` and owns it. `max_connections` bounds
+    the pipelines the tier has at the server at once (per node on a Cluster); a client passed
+    in must allow that many. On a Cluster, the tier connects only to `nodes` ("host" or
+    "host:port"; by default the URL's host), so the password goes nowhere else (`redis_client`).
     """
 
     # What an engine stores is mostly what its lookup has just missed: an EXISTS round trip
@@ -174,6 +175,13 @@ class RedisTier(SecondaryTierManager):
             raise ConfigError(f"redis tier: cluster must be True or False, got {cluster!r}")
         if cluster and parts.scheme == "unix":
             raise ConfigError("redis tier: a Redis Cluster is reached over TCP, not a unix socket")
+        if client is not None and (nodes is not None or password is not None):
+            # A client passed in connects, authenticates and parses as it was made: an allow-list
+            # or a password given next to it would do nothing, so it is refused, not ignored.
+            raise ConfigError(
+                "redis tier: nodes, password_env and password_file apply to the client the tier "
+                "makes, not to a client passed in (configure that client itself)"
+            )
         if nodes is not None and not cluster:
             raise ConfigError("redis tier: nodes (the cluster nodes allowed) is for cluster=True")
         if nodes is not None and (isinstance(nodes, str) or not all(isinstance(n, str) for n in nodes)):
