@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import fs_helpers as h
 import pytest
@@ -212,6 +213,42 @@ async def test_a_planted_slab_data_file_is_skipped_counted_and_the_tier_opens(
         assert again.stats()["foreign_files_skipped"] == skipped + 1
     assert await asyncio.to_thread(main, ["fs", "verify", root]) == 0
     assert await asyncio.to_thread(main, ["fs", "stat", root]) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_slab_with_foreign_data_costs_no_read_of_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The attack: slabs whose data file is a symlink next to a valid log, planted under many
+    # numbers: each refresh read every such log before finding the data foreign, outside the
+    # refresh's entry budget (its entries never charged).
+    from kvtier_async.tiers.fs import slab_files
+
+    root = str(tmp_path / "root")
+    tier, primary = h.make_tier(root)
+    keys = [h.key_for(i) for i in range(4)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 4
+    [real] = await asyncio.to_thread(lambda: list(tier.directory.glob("slab-*-000000.kvs")))
+    for slab in range(1, 7):
+        data, _ = await asyncio.to_thread(copy_slab, tier.directory, slab)
+        await asyncio.to_thread(data.symlink_to, real)
+    logs_read: list[str] = []
+    real_read_log = slab_files.read_log
+
+    def counting_read_log(path: Any, *args: Any) -> Any:
+        logs_read.append(str(path))
+        return real_read_log(path, *args)
+
+    monkeypatch.setattr(slab_files, "read_log", counting_read_log)
+    skipped = kvtier_async.tiers.fs.layout.foreign_files_skipped()
+    again, primary = h.make_tier(root)
+    async with again:
+        await again.refresh()  # and once more: the planted slabs are still not known
+        assert await h.load_and_check(again, primary, keys) == [True] * 4
+        assert again.stats()["shared_slabs"] == 1
+        assert again.stats()["foreign_files_skipped"] >= skipped + 6
+    assert not [p for p in logs_read if "-000000.idx" not in p], logs_read
 
 
 @pytest.mark.asyncio

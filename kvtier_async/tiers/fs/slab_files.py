@@ -275,15 +275,21 @@ class SlabFiles:
                 if st.st_ino == inode and st.st_size == offset:
                     continue
                 reset = slab not in known or st.st_ino != inode or st.st_size < offset
+                data_fd = None
                 try:
+                    if slab not in known:
+                        # The data file first: a slab whose data is foreign (skipped, counted)
+                        # costs no read of its log, on this refresh or any later one.
+                        data_fd = self.path(slab, "kvs").open(os.O_RDONLY | self.data_flags)
                     entries, end, inode = read_log(
                         log_path, 0 if reset else offset, min(budget, self.entries_per_log)
                     )
-                    data_fd = None
-                    if slab not in known:
-                        data_fd = self.path(slab, "kvs").open(os.O_RDONLY | self.data_flags)
-                except FileNotFoundError:
-                    continue  # removed meanwhile (`kvtier fs gc`), or not ours
+                except BaseException as exc:
+                    if data_fd is not None:
+                        os.close(data_fd)
+                    if isinstance(exc, FileNotFoundError):
+                        continue  # removed meanwhile (`kvtier fs gc`), or not ours
+                    raise
                 budget -= len(entries)
                 self.saw(entries)
                 # Records past what a slab of this capacity holds are not read: misses, and no
