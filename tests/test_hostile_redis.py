@@ -211,6 +211,41 @@ async def test_a_4_gib_reply_to_getrange_over_tls_is_a_bounded_miss(
     )
 
 
+@pytest.mark.asyncio
+@pytest.mark.skipif(not STATUS.exists(), reason="measures memory through /proc/self")
+async def test_a_4_gib_reply_to_getrange_through_a_cluster_is_a_bounded_miss(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Attack: a Cluster node (itself every slot's owner, so allowed) answers a GETRANGE of a
+    # block with a reply that claims 4 GiB and streams it, through redis-py's Cluster client.
+    caplog.set_level(logging.DEBUG, logger="redis.asyncio.connection")
+    stream_4_gib = answer_getrange_with(b"$%d\r\n" % (4 << 30), bytes(1 << 20), SENT >> 20)
+
+    async def answer(command: list[bytes], writer: asyncio.StreamWriter) -> None:
+        verb = b" ".join(command[:2]).upper()
+        if verb == b"CLUSTER SLOTS":
+            writer.write(cluster_slots("127.0.0.1", writer.get_extra_info("sockname")[1]))
+        elif verb.startswith(b"COMMAND"):  # what redis-py's Cluster client finds keys by
+            writer.write(b"*1\r\n*6\r\n$8\r\ngetrange\r\n:4\r\n*1\r\n+readonly\r\n:1\r\n:1\r\n:1\r\n")
+        else:
+            await stream_4_gib(command, writer)
+
+    async with FakeServer("127.0.0.1", answer) as node:
+        tier = make_tier({"url": f"redis://127.0.0.1:{node.port}/0", "cluster": True, "timeout_s": 5.0})
+        async with tier:
+            growth = await peak_growth_of(tier.load([make_key(1)], [0]))
+            stats = tier.stats()
+    assert stats["load_misses"] == 1
+    assert stats["cluster_nodes_refused"] == 0  # refused for its size, not its address
+    assert any(c[0].upper() == b"GETRANGE" for c in node.commands), node.commands
+    # Refused as such, not by chance (redis-py's Cluster pipeline hands the dropped
+    # connection's error back in place, which the tier reads as a miss: only its log tells).
+    assert "longer than its command can return" in caplog.text
+    assert growth < BLOCK + (64 << 20), (
+        f"a hostile {SENT >> 20} MiB reply grew the peak by {growth >> 20} MiB"
+    )
+
+
 def virtual_peak() -> int:
     """The process's peak address space (VmPeak), bytes."""
     fields = dict(line.split(":", 1) for line in STATUS.read_text().splitlines())
