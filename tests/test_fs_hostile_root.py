@@ -321,7 +321,61 @@ async def test_a_hard_linked_index_log_bomb_is_read_once_within_the_capacity(tmp
             assert again.stats()["foreign_files_skipped"] == skipped + 14
     finally:
         tracemalloc.stop()
-    assert peak < 16 << 20  # one log's worth of entries, not forty
+    # The refresh's budget of entries (~0.1 MiB here), not one whole log (~12 MiB of entries
+    # once read, so a tier reading the log whole fails this), let alone forty.
+    assert peak < 4 << 20, f"opening allocated up to {peak >> 10} KiB"
+
+
+def plant_logs(directory: Path, block_nbytes: int, slabs: range, entries: int) -> None:
+    """A log of its own (no shared inode) of `entries` valid entries for each slab number in
+    `slabs`, each with an empty data file of ours."""
+    from kvtier_async.tiers.fs.layout import encode_entry
+
+    for slab in slabs:
+        data = directory / f"slab-{block_nbytes}-{slab:06d}.kvs"
+        data.write_bytes(b"")
+        data.chmod(0o600)
+        log_bytes = b"".join(
+            encode_entry(1 + n, n % 4, (slab * entries + n).to_bytes(32, "little"), n) for n in range(entries)
+        )
+        data.with_suffix(".idx").write_bytes(log_bytes)
+        data.with_suffix(".idx").chmod(0o600)
+
+
+@pytest.mark.asyncio
+async def test_one_refresh_reads_no_more_entries_than_its_budget_across_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The attack: valid logs planted under every slab number the capacity allows, each within
+    # the per-log bound, together far beyond what an index of this capacity holds.
+    from kvtier_async.tiers.fs import slab_files
+
+    root = str(tmp_path / "root")
+    capacity = 64 * (record_bytes_for(h.BLOCK_NBYTES) + 4 * ENTRY)  # 16 slabs of 4 records
+    tier, primary = h.make_tier(root, capacity_bytes=capacity)
+    keys = [h.key_for(i) for i in range(4)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 4
+    await asyncio.to_thread(plant_logs, tier.directory, tier.files.block_nbytes, range(1, 16), 100)
+    entries_read: list[int] = []
+    real_read_log = slab_files.read_log
+
+    def counting_read_log(path: Any, *args: Any) -> Any:
+        entries, end, inode = real_read_log(path, *args)
+        entries_read.append(len(entries))
+        return entries, end, inode
+
+    monkeypatch.setattr(slab_files, "read_log", counting_read_log)
+    again, primary = h.make_tier(root, capacity_bytes=capacity)
+    async with again:  # opening is one refresh
+        budget = again.files.entries_per_refresh
+        assert 15 * again.files.entries_per_log > budget  # the logs together exceed it
+        assert 0 < sum(entries_read) <= budget
+        assert await h.load_and_check(again, primary, keys) == [True] * 4
+        entries_read.clear()
+        await again.refresh()  # the next refresh reads on, within the budget again
+        assert 0 < sum(entries_read) <= budget
+        assert await h.load_and_check(again, primary, keys) == [True] * 4
 
 
 def sealed_root(tmp_path: Path, secret_env: str, *, format_2: bool = False) -> tuple[Path, Path]:
