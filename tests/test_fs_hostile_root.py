@@ -182,11 +182,14 @@ def copy_slab(directory: Path, to: int) -> tuple[Path, Path]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("plant", ["symlink", "fifo", "writable by others", "another user's"])
+@pytest.mark.parametrize(
+    "plant", ["symlink", "fifo", "writable by others", "another user's", "another user's 0600"]
+)
 async def test_a_planted_slab_data_file_is_skipped_counted_and_the_tier_opens(
     tmp_path: Path, plant: str
 ) -> None:
-    # The attack: a slab's data file is a symlink, a FIFO or a file others may write (0666).
+    # The attack: a slab's data file is a symlink, a FIFO, a file others may write (0666) or
+    # another user's file (0600: only the owner check stands between it and the tier).
     root = str(tmp_path / "root")
     tier, primary = h.make_tier(root)
     keys = [h.key_for(i) for i in range(4)]
@@ -199,11 +202,11 @@ async def test_a_planted_slab_data_file_is_skipped_counted_and_the_tier_opens(
     elif plant == "fifo":
         await asyncio.to_thread(os.mkfifo, data, 0o600)
     else:
-        if plant == "another user's" and os.geteuid() != 0:
+        if plant.startswith("another user's") and os.geteuid() != 0:
             pytest.skip("giving a file to another user needs root")
         await asyncio.to_thread(shutil.copyfile, real, data)
-        await asyncio.to_thread(os.chmod, data, 0o666)
-        if plant == "another user's":
+        await asyncio.to_thread(os.chmod, data, 0o600 if plant.endswith("0600") else 0o666)
+        if plant.startswith("another user's"):
             await asyncio.to_thread(os.chown, data, 65534, 65534)
     skipped = kvtier_async.tiers.fs.layout.foreign_files_skipped()
     again, primary = h.make_tier(root)  # a restart reads every slab's log and opens its data
@@ -213,6 +216,41 @@ async def test_a_planted_slab_data_file_is_skipped_counted_and_the_tier_opens(
         assert again.stats()["foreign_files_skipped"] == skipped + 1
     assert await asyncio.to_thread(main, ["fs", "verify", root]) == 0
     assert await asyncio.to_thread(main, ["fs", "stat", root]) == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("plant", ["symlink", "writable by others", "another user's"])
+async def test_a_planted_index_log_is_skipped_counted_and_the_tier_opens(tmp_path: Path, plant: str) -> None:
+    # The attack: where a slab's index log belongs, a symlink to another slab's log, a log others
+    # may write (0666) or another user's log (0600), next to a good data file.
+    if plant == "another user's" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    root = str(tmp_path / "root")
+    tier, primary = h.make_tier(root)
+    keys = [h.key_for(i) for i in range(4)]
+    async with tier:
+        assert await h.store_keys(tier, primary, keys) == [True] * 4
+    [real] = await asyncio.to_thread(lambda: list(tier.directory.glob("slab-*-000000.kvs")))
+    data, log_copy = await asyncio.to_thread(copy_slab, tier.directory, 5)
+    await asyncio.to_thread(shutil.copyfile, real, data)
+    await asyncio.to_thread(os.chmod, data, 0o600)
+    if plant == "symlink":
+        await asyncio.to_thread(log_copy.unlink)
+        await asyncio.to_thread(log_copy.symlink_to, real.with_suffix(".idx"))
+    elif plant == "writable by others":
+        await asyncio.to_thread(os.chmod, log_copy, 0o666)
+    else:
+        await asyncio.to_thread(os.chmod, log_copy, 0o600)
+        await asyncio.to_thread(os.chown, log_copy, 65534, 65534)
+    skipped = kvtier_async.tiers.fs.layout.foreign_files_skipped()
+    again, primary = h.make_tier(root)  # a restart reads every slab's log and opens its data
+    async with again:
+        assert await h.load_and_check(again, primary, keys) == [True] * 4
+        assert again.stats()["shared_slabs"] == 1  # slab 0 only: the planted log is not read
+        assert again.stats()["foreign_files_skipped"] == skipped + 1
+        new_keys = [h.key_for(i) for i in range(4, 8)]  # and the tier goes on storing
+        assert await h.store_keys(again, primary, new_keys) == [True] * 4
+        assert await h.load_and_check(again, primary, new_keys) == [True] * 4
 
 
 @pytest.mark.asyncio
