@@ -3,13 +3,21 @@ clients read them), wherever the URL appears (stats, repr, the bench's config)."
 
 from __future__ import annotations
 
+import json
+import logging
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import servers
 
 import kvtier_async as kt
 import kvtier_async.tiers.object_store
 import kvtier_async.tiers.redis_tier  # imported up front: a first import reads files
+from kvtier_async.cli import main
 from kvtier_async.redact import redact_url, redacted_config
 
 PASSWORD = "Pw-9f3c1e77ab"
@@ -63,3 +71,50 @@ def test_an_s3_endpoint_with_a_query_or_a_bad_port_is_refused(endpoint: str) -> 
     with pytest.raises(kt.ConfigError, match=r"carries credentials|malformed") as raised:
         make({"type": "s3", "bucket": "b", "endpoint": endpoint})
     assert PASSWORD not in str(raised.value)
+
+
+@pytest.fixture(scope="module")
+def redis_with_password(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.RedisServer]:
+    """A redis-server on loopback that requires PASSWORD."""
+    if servers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = servers.RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()  # answering PING first: start-up waits for that
+    assert servers.REDIS_CLI is not None
+    subprocess.run(
+        [servers.REDIS_CLI, "-p", str(server.port), "config", "set", "requirepass", PASSWORD],
+        check=True,
+        capture_output=True,
+    )
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("where", ["user-info", "percent-encoded query name"])
+def test_kvtier_bench_against_a_real_server_never_shows_the_password(
+    where: str,
+    redis_with_password: servers.RedisServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Attack (a leak): `kvtier bench` run against a Redis URL that carries the password echoed
+    # the URL in its table, its JSON and its logs.
+    port = redis_with_password.port
+    url = {
+        "user-info": f"redis://:{PASSWORD}@127.0.0.1:{port}/0",
+        "percent-encoded query name": f"redis://127.0.0.1:{port}/0?pass%77ord={PASSWORD}",
+    }[where]
+    caplog.set_level(logging.DEBUG)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--tiers", json.dumps([{"type": "redis", "url": url, "prefix": uuid.uuid4().hex}])]
+    argv += ["--block-kib", "64", "--mib", "1", "--request-blocks", "4", "--no-progress"]
+    argv += ["--dir", str(tmp_path), "--json", str(out)]
+    assert main(argv) == 0
+    shown = capsys.readouterr()
+    result = json.loads(out.read_text())
+    # The run reached the server with the password (it refuses everything without it).
+    assert [(c["exact"], c["load_hits"] == c["blocks"] > 0) for c in result["cases"]] == [(True, True)]
+    for text in (shown.out, shown.err, out.read_text(), caplog.text):
+        assert PASSWORD not in text
+    assert "***" in json.dumps(result["config"])  # the URL is shown, redacted
