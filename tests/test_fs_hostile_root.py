@@ -136,6 +136,21 @@ def test_sparse_huge_index_is_not_read_whole(tmp_path: Path) -> None:
     assert main(["fs", "stat", str(root)]) == 0
 
 
+def test_fs_verify_reads_a_log_with_a_second_name_once(tmp_path: Path) -> None:
+    # The attack: a slab's log hard-linked as another slab's (next to a copy of its data), so
+    # that `kvtier fs verify` reads and checks the same entries twice.
+    from kvtier_async.tiers.fs.admin import verify_root
+
+    root, directory = stored_root(tmp_path)
+    [real] = directory.glob("slab-*-000000.kvs")
+    data = real.with_name(real.name.replace("000000", "000001"))
+    shutil.copyfile(real, data)
+    data.chmod(0o600)
+    os.link(real.with_suffix(".idx"), data.with_suffix(".idx"))
+    [report] = verify_root(root)
+    assert (report.checked, report.slabs, report.corrupt) == (2, 1, [])
+
+
 def test_crafted_names_and_namespace_text_are_harmless(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -409,6 +424,7 @@ async def test_one_refresh_reads_no_more_entries_than_its_budget_across_logs(
         budget = again.files.entries_per_refresh
         assert 15 * again.files.entries_per_log > budget  # the logs together exceed it
         assert 0 < sum(entries_read) <= budget
+        assert max(entries_read) <= again.files.entries_per_log  # 8 a record of a slab, a log
         assert await h.load_and_check(again, primary, keys) == [True] * 4
         entries_read.clear()
         await again.refresh()  # the next refresh reads on, within the budget again

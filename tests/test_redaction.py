@@ -118,3 +118,13 @@ def test_kvtier_bench_against_a_real_server_never_shows_the_password(
     for text in (shown.out, shown.err, out.read_text(), caplog.text):
         assert PASSWORD not in text
     assert "***" in json.dumps(result["config"])  # the URL is shown, redacted
+
+
+@pytest.mark.parametrize("host", ["10.1.2.3", "cache.internal", "127.0.0.1", "localhost"])
+def test_plain_redis_off_this_machine_logs_one_warning(host: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Attack: blocks and the password cross a network in clear, the operator never told.
+    caplog.set_level(logging.WARNING)
+    make({"type": "redis", "url": f"redis://:{PASSWORD}@{host}:6379/0"})
+    warnings = [r.getMessage() for r in caplog.records if "in plain text" in r.getMessage()]
+    assert len(warnings) == (0 if host in ("127.0.0.1", "localhost") else 1)
+    assert PASSWORD not in caplog.text
