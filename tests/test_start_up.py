@@ -133,37 +133,28 @@ def small_values() -> tuple[str, ...]:
 
 
 @pytest.mark.asyncio
-async def test_a_bare_redis_tier_whose_server_takes_smaller_values_fails_at_async_with(
-    tmp_path: Path,
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+async def test_a_bare_redis_tier_whose_servers_take_smaller_values_fails_at_async_with(
+    tmp_path: Path, cluster: bool
 ) -> None:
-    # Misconfiguration: the server refuses values the size of a block: every store would fail.
-    server = servers.RedisServer(tmp_path / "redis", None, *small_values())
+    # Misconfiguration: the server (or a Cluster's nodes) refuses values the size of a block:
+    # every store would fail.
+    if cluster:
+        server: servers.RedisServer | servers.RedisCluster = servers.RedisCluster(
+            tmp_path / "cluster", extra=small_values()
+        )
+    else:
+        server = servers.RedisServer(tmp_path / "redis", None, *small_values())
     await asyncio.to_thread(server.start)
     try:
-        tier, _ = bare_tier({"type": "redis", "url": server.url}, block_nbytes=2 << 20)
+        config = {"type": "redis", "url": server.url, **({"cluster": True} if cluster else {})}
+        tier, _ = bare_tier(config, block_nbytes=2 << 20)
         with pytest.raises(kt.ConfigError, match="proto-max-bulk-len"):
             async with tier:
-                pytest.fail("the tier started against a server that refuses its blocks")
+                pytest.fail("the tier started against servers that refuse its blocks")
         assert tier.closed and tier.stats()["errors"] == 0
     finally:
         await asyncio.to_thread(server.stop)
-
-
-@pytest.mark.asyncio
-async def test_a_bare_redis_cluster_tier_whose_nodes_take_smaller_values_fails_at_async_with(
-    tmp_path: Path,
-) -> None:
-    # Misconfiguration: the same, the nodes of a Redis Cluster.
-    cluster = servers.RedisCluster(tmp_path / "cluster", extra=small_values())
-    await asyncio.to_thread(cluster.start)
-    try:
-        tier, _ = bare_tier({"type": "redis", "url": cluster.url, "cluster": True}, block_nbytes=2 << 20)
-        with pytest.raises(kt.ConfigError, match="proto-max-bulk-len"):
-            async with tier:
-                pytest.fail("the tier started against a cluster that refuses its blocks")
-        assert tier.closed and tier.stats()["errors"] == 0
-    finally:
-        await asyncio.to_thread(cluster.stop)
 
 
 @pytest.mark.asyncio
