@@ -8,6 +8,9 @@ from collections.abc import Callable, Sequence
 
 from kvtier_async.tiers.memory import MemoryTier
 
+#: Seconds `until` waits before it reports a hang (far past any state these tests reach).
+HANG_S = 120.0
+
 
 class GatedTier(MemoryTier):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -74,9 +77,20 @@ class ProbeTier(MemoryTier):
         self.changed = asyncio.Event()
 
     async def until(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            self.changed.clear()
-            await self.changed.wait()
+        # A guard against a hang, not a timing bound: a state never reached (seen once in CI,
+        # in test_lane_limits_are_never_exceeded, cause unknown) fails with what the tier held,
+        # where the run would otherwise wait until CI's own limit.
+        try:
+            async with asyncio.timeout(HANG_S):
+                while not predicate():
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            lanes = self.stats().get("lanes")
+            raise AssertionError(
+                f"the state was not reached in {HANG_S:.0f} s: held {self.held}, running "
+                f"{self.running}, lanes {lanes}"
+            ) from None
 
     async def _through_gate(self, direction: str, keys: Sequence[bytes]) -> None:
         if direction in ("read", "write"):
