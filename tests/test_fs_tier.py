@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -788,20 +789,42 @@ async def test_a_held_block_is_still_deleted_when_asked(tmp_path: Path) -> None:
 async def test_auto_falls_back_to_buffered_io_where_o_direct_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvtier_async.tiers.fs.slab_files, "probe_direct_io", lambda directory: False)
+    # No file system here refuses O_DIRECT (tmpfs takes it since Linux 6.6): the probe's
+    # answer is the one it gives on one that does.
+    refusal = OSError(errno.EINVAL, "Invalid argument")
+    monkeypatch.setattr(kvtier_async.tiers.fs.slab_files, "probe_direct_io", lambda directory: refusal)
     tier, primary = h.make_tier(str(tmp_path / "auto"), direct_io="auto")
     keys = [h.key_for(i) for i in range(4)]
     async with tier:
         assert await h.store_keys(tier, primary, keys) == [True] * 4
         assert tier.direct_io is False
         assert await h.load_and_check(tier, primary, keys) == [True] * 4
+    # O_DIRECT demanded where the file system refuses it: that can never work, the start fails.
+    strict, _ = h.make_tier(str(tmp_path / "strict"), direct_io=True)
+    with pytest.raises(kt.ConfigError, match="refuses O_DIRECT"):
+        async with strict:
+            pass
+    assert strict.closed
+
+
+@pytest.mark.asyncio
+async def test_a_failed_o_direct_probe_that_may_pass_degrades(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(kvtier_async.tiers.fs.slab_files, "probe_direct_io", lambda directory: full)
     strict, primary = h.make_tier(str(tmp_path / "strict"), direct_io=True)
-    # O_DIRECT demanded but refused: a counted fault, not an exception, at start and on each
-    # call that tries to open again (the probe's refusal may be a full disk: it may pass).
+    keys = [h.key_for(i) for i in range(4)]
+    # A full disk may pass: a counted fault at start and on each call that tries to open again.
     async with strict:
         assert strict.stats()["errors"] == 1
         assert await h.store_keys(strict, primary, keys) == [False] * 4
         assert strict.stats()["errors"] == 2
+    monkeypatch.setattr(kvtier_async.tiers.fs.slab_files, "probe_direct_io", lambda directory: None)
+    again, primary = h.make_tier(str(tmp_path / "strict"), direct_io=True)
+    async with again:
+        assert await h.store_keys(again, primary, keys) == [True] * 4
+        assert again.direct_io is True
 
 
 @pytest.mark.asyncio

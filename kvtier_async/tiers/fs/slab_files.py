@@ -10,6 +10,7 @@ takes it in on the loop.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -18,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...errors import KVTierError
+from ...errors import ConfigError, KVTierError
 from .index import Claim, LogNews, OtherSlab, OwnSlab
 from .layout import (
     ENTRY,
@@ -70,10 +71,11 @@ def close_fd(fd: int | None) -> None:
         os.close(fd)
 
 
-def probe_direct_io(folder: Folder) -> bool:
-    """Whether this file system takes O_DIRECT writes and reads of aligned buffers."""
+def probe_direct_io(folder: Folder) -> OSError | None:
+    """None where this file system takes O_DIRECT writes and reads of aligned buffers; else
+    the error the probe met (EINVAL: the file system refuses O_DIRECT)."""
     if not hasattr(os, "O_DIRECT"):
-        return False
+        return OSError(errno.EINVAL, "this platform has no O_DIRECT")
     path = folder / f"direct-io-probe.{os.getpid()}.{threading.get_native_id()}.tmp"
     buffer = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
     path.unlink(missing_ok=True)  # a crashed probe's (a planted link is removed, not followed)
@@ -84,9 +86,9 @@ def probe_direct_io(folder: Folder) -> bool:
             os.preadv(fd, [buffer], 0)
         finally:
             os.close(fd)
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as error:
+        return error
     finally:
         path.unlink(missing_ok=True)
 
@@ -163,10 +165,17 @@ class SlabFiles:
             self.root, self.directory.name, self.namespace, format_text(self.kind)
         )
         if direct_io == "auto":
-            self.direct_io = probe_direct_io(self.folder)
+            self.direct_io = probe_direct_io(self.folder) is None
         elif direct_io:
-            if not probe_direct_io(self.folder):
-                raise KVTierError(f"fs tier: O_DIRECT is not supported under {self.directory}")
+            refused = probe_direct_io(self.folder)
+            if refused is not None and refused.errno == errno.EINVAL:
+                # The file system refuses O_DIRECT: this configuration can never work.
+                raise ConfigError(
+                    f"fs tier: direct_io is True but the file system under {self.directory} "
+                    'refuses O_DIRECT; use direct_io "auto" or False there'
+                )
+            if refused is not None:  # a full disk, an I/O error: it may pass
+                raise KVTierError(f"fs tier: the O_DIRECT probe under {self.directory} failed: {refused}")
             self.direct_io = True
         if capacity_bytes is None:
             existing = 0
