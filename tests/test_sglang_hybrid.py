@@ -601,6 +601,57 @@ def test_pools_never_share_pages_and_bad_input_is_refused(fs: dict[str, Any], tm
         other.close()
 
 
+@pytest.mark.parametrize(
+    "other",
+    ["same", "draft-layer_first", "draft-float16", "mamba-page_first_direct"],
+)
+def test_an_extra_pools_pages_are_found_only_by_a_pool_of_the_same_dtype_and_layout(
+    other: str, fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """A draft (MHA) pool and a Mamba pool stored by one backend; a second backend over the same
+    root whose pool differs only in layout or dtype (same page size in bytes) finds none of their
+    pages: the pool's namespace carries both. The same pools (the control) find every page."""
+    kv = mha_pool("page_first", tokens=512)
+    draft, state = mha_pool("page_first", tokens=512), mamba_pool("page_first")
+    _, keys = chain(2, 16, seed=19)
+    writer, _ = attach("ours", fs, kv, {DRAFT: draft, MAMBA: state}, tmp_path)
+    try:
+        stored = writer.batch_set_v2(
+            [
+                PoolTransfer(name=DRAFT, host_indices=torch.arange(0, 32), keys=keys),
+                PoolTransfer(name=MAMBA, host_indices=torch.tensor([0, 1]), keys=keys),
+            ]
+        )
+        assert stored == {DRAFT: [True, True], MAMBA: [True, True]}
+    finally:
+        writer.close()
+    other_draft, other_state = draft, state
+    if other == "draft-layer_first":
+        other_draft = mha_pool("layer_first", tokens=512)
+    elif other == "draft-float16":
+        other_draft = mha_pool("page_first", dtype=torch.float16, tokens=512)
+    elif other == "mamba-page_first_direct":
+        other_state = mamba_pool("page_first_direct")
+    assert FlatPages.of("d", other_draft).page_nbytes == FlatPages.of("d", draft).page_nbytes
+    assert FlatPages.of("m", other_state).page_nbytes == FlatPages.of("m", state).page_nbytes
+    reader, _ = attach("ours", fs, kv, {DRAFT: other_draft, MAMBA: other_state}, tmp_path)
+    try:
+        loaded = reader.batch_get_v2(
+            [
+                PoolTransfer(name=DRAFT, host_indices=torch.arange(64, 96), keys=keys),
+                PoolTransfer(name=MAMBA, host_indices=torch.tensor([4, 5]), keys=keys),
+            ]
+        )
+        assert loaded == {DRAFT: [other_draft is draft] * 2, MAMBA: [other_state is state] * 2}
+        if other == "same":
+            assert [flat_bytes(draft, 64 + 16 * i) for i in range(2)] == [
+                flat_bytes(draft, 16 * i) for i in range(2)
+            ]
+            assert [flat_bytes(state, 4 + i) for i in range(2)] == [flat_bytes(state, i) for i in range(2)]
+    finally:
+        reader.close()
+
+
 def test_pool_pages_larger_than_a_block_are_stored_as_blocks_through_every_tier(
     tier: Tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
