@@ -289,6 +289,12 @@ def test_mamba_state_and_indexer_from_three_threads_a_restart_and_close_through_
         plain, c3 = attach("ours", fs, kv, pools, tmp_path)
         try:
             assert c3.query(TOKENS[: 12 * P], c3.hit_transfers({MAMBA: 1}, [INDEXER]))[0] == 0
+            # nor any extra pool's page: their tiers are sealed too, not only the KV pages'
+            state_page = PoolTransfer(name=MAMBA, host_indices=torch.tensor([9]), keys=[KEYS[3]])
+            indexer_page = PoolTransfer(
+                name=INDEXER, host_indices=torch.arange(12 * P, 13 * P), keys=KEYS[:1]
+            )
+            assert plain.batch_get_v2([state_page, indexer_page]) == {MAMBA: [False], INDEXER: [False]}
         finally:
             plain.close()
     started = [t for t in threading.enumerate() if t not in before]
