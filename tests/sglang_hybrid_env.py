@@ -27,6 +27,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
     StorageOperation,
 )
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
@@ -43,6 +44,7 @@ __all__ = [
     "Span",
     "chain",
     "dsa_pools",
+    "dsv4_pool",
     "flat_bytes",
     "mamba_pool",
     "mha_pool",
@@ -99,6 +101,32 @@ def dsa_pools(layout: str = "page_first", *, layers: int = 2, tokens: int = 1024
     randomize(kv.kv_buffer)
     randomize(indexer.index_k_with_scale_buffer)
     return kv, indexer
+
+
+def dsv4_pool(
+    layout: str = "page_first",
+    *,
+    layers: int = 3,
+    pages: int = 32,
+    page_size: int = 16,
+    item_bytes: int = 584,
+) -> DeepSeekV4PagedHostPool:
+    """SGLang's DeepSeek V4 paged host pool (a compressed KV region, the pools `BLOCK_GROUPS` is
+    defined for): `item_bytes` per page and layer, `pages` host pages of `page_size` slots. Its
+    device buffers give only the layer count."""
+    device = [torch.zeros(pages, item_bytes, dtype=torch.uint8) for _ in range(layers)]
+    with host_memory_budget_scope(BUDGET):
+        pool = DeepSeekV4PagedHostPool(
+            str(PoolName.DEEPSEEK_V4_C4),
+            device,
+            item_bytes,
+            pages,
+            page_size,
+            layout=layout,
+            pin_memory=False,
+        )
+    randomize(pool.kv_buffer)
+    return pool
 
 
 def qsa_pools(layout: str = "page_first", *, layers: int = 3, tokens: int = 2048) -> tuple[Any, Any]:

@@ -32,6 +32,7 @@ from sglang_hybrid_env import (
     Span,
     chain,
     dsa_pools,
+    dsv4_pool,
     flat_bytes,
     mamba_pool,
     mha_pool,
@@ -758,3 +759,53 @@ def test_block_groups_report_whole_groups_and_gate_nothing(tmp_path: Path) -> No
     )
     with pytest.raises(ValueError, match="BLOCK_GROUPS"):  # SGLang's own backend refuses it
         file.batch_exists_v2(["k"], [compressed])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_a_deepseek_v4_compressed_pool_answers_as_hicache_file_and_in_whole_block_groups(
+    layout: str, fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """SGLang's DeepSeek V4 paged host pool registered beside KV, in each layout it has: its pages
+    stored and loaded byte-exact, an absent page failing its entry only, and an `ALL_PAGES` answer
+    as HiCacheFile's; asked as `BLOCK_GROUPS`, the whole groups its pages cover, gating nothing."""
+    c4_name = PoolName.DEEPSEEK_V4_C4
+    kv, c4 = mha_pool("page_first", tokens=512), dsv4_pool(layout)  # both 16-token pages
+
+    def slots(pages: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in pages])
+
+    _, keys = chain(10, 16, seed=23)
+    c4_pages = [0, 1, 2, 3, 4, 6, 7, 8, 9]  # page 5 missing
+    ours, _ = attach("ours", fs, kv, {c4_name: c4}, tmp_path)
+    file, _ = attach("file", None, kv, {c4_name: c4}, tmp_path)
+    try:
+        answers = []
+        for backend in (ours, file):
+            kv_pages = PoolTransfer(name=KV, host_indices=slots(list(range(10))), keys=keys)
+            assert backend.batch_set_v2([kv_pages]) == {KV: [True] * 10}
+            c4_transfer = PoolTransfer(
+                name=c4_name, host_indices=slots(c4_pages), keys=[keys[p] for p in c4_pages]
+            )
+            assert backend.batch_set_v2([c4_transfer]) == {c4_name: [True] * 9}
+            answer = backend.batch_exists_v2(
+                keys, [PoolTransfer(name=c4_name, hit_policy=PoolHitPolicy.ALL_PAGES)]
+            )
+            answers.append((answer.kv_hit_pages, answer.extra_pool_hit_pages, answer.restorable_prefix_pages))
+            scrub(c4, [p * 16 for p in (20, 21, 22, 23)])
+            load = PoolTransfer(name=c4_name, host_indices=slots([20, 21, 22, 23]), keys=keys[4:8])
+            assert backend.batch_get_v2([load]) == {c4_name: [True, False, True, True]}
+            assert [flat_bytes(c4, p * 16) for p in (20, 22, 23)] == [
+                flat_bytes(c4, p * 16) for p in (4, 6, 7)
+            ]
+        assert answers[0] == answers[1] == (5, {"kv": 10, "deepseek_v4_c4": 5}, [1, 2, 3, 4, 5])
+        groups = PoolTransfer(
+            name=c4_name, hit_policy=PoolHitPolicy.BLOCK_GROUPS, block_pages=4, group_pages=4
+        )
+        answer = ours.batch_exists_v2(keys, [groups])  # pages 0-3 a whole group; 4-7 has the gap
+        assert (answer.kv_hit_pages, answer.extra_pool_hit_pages, answer.restorable_prefix_pages) == (
+            10,
+            {"kv": 10, "deepseek_v4_c4": 4},
+            list(range(1, 11)),
+        )
+    finally:
+        ours.close()
