@@ -535,6 +535,34 @@ def test_every_layout_of_an_extra_pool_round_trips_byte_exact(
         backend.close()
 
 
+@pytest.mark.parametrize("blocks", ["one block", "several blocks"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mamba_state_round_trips_byte_exact_in_both_layouts_sglang_builds_it_in(
+    layout: str, blocks: str, fs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang builds Mamba host pools in the two page-first layouts only (its constructor asserts
+    it): each state stored and loaded byte-exact through the v2 calls, whole or as blocks."""
+    if blocks == "several blocks":
+        monkeypatch.setattr(sglang_pools, "EXTRA_BLOCK_BYTES", 4096)
+    kv, state = mha_pool("page_first", tokens=512), mamba_pool(layout)
+    backend, _ = attach("ours", fs, kv, {MAMBA: state}, tmp_path)
+    try:
+        assert (backend._pools._entry(MAMBA).layout.blocks_per_page > 1) is (blocks == "several blocks")
+        _, keys = chain(3, 16, seed=29)
+        stored = backend.batch_set_v2(
+            [PoolTransfer(name=MAMBA, host_indices=torch.tensor([2, 0, 5]), keys=keys)]
+        )
+        assert stored == {MAMBA: [True] * 3}
+        scrub(state, [9, 10, 11])
+        loaded = backend.batch_get_v2(
+            [PoolTransfer(name=MAMBA, host_indices=torch.tensor([9, 10, 11]), keys=keys)]
+        )
+        assert loaded == {MAMBA: [True] * 3}
+        assert [flat_bytes(state, s) for s in (9, 10, 11)] == [flat_bytes(state, s) for s in (2, 0, 5)]
+    finally:
+        backend.close()
+
+
 def test_a_pool_without_flat_pages_fails_at_registration_naming_pool_and_layout(
     fs: dict[str, Any], tmp_path: Path
 ) -> None:
