@@ -343,6 +343,7 @@ def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_
                 c.query(tokens[: 12 * page], drafted),  # draft pools only on pages 8-11
                 c.query(tokens[8 * page : 12 * page], drafted, last_hash=keys[7], prefix_keys=keys[:8]),
                 c.query(tokens, target),
+                c.query(chain(4, page, seed=31)[0], drafted),  # never stored
             ]
             # A prefetch of pages 8-11: KV and draft KV into host pages 40-43 (48-51, 56-59), the
             # window's last two pages into SWA pages 20-21 (24-25, 28-29), re-aligned by SGLang.
@@ -377,6 +378,7 @@ def test_swa_windows_and_late_registered_draft_pools_answer_and_load_as_hicache_
         (0, [], {"kv": 12, "swa": 12, "draft_swa": 12}),  # no draft KV on pages 0-7
         (4 * page, [4], {"kv": 4, "swa": 4, "draft_swa": 4, "draft": 4}),
         (12 * page, [4, 8, 12], {"kv": 12, "swa": 12}),
+        (0, [], {"kv": 0}),
     ]
 
 
@@ -402,14 +404,13 @@ def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(layout: str, tier: Tie
                 c.backup(keys, Span(range(0, 3), [INDEXER]))
                 c.backup(keys, Span(range(3, 4)))  # page 3: KV without its indexer page
                 c.backup(keys, Span(range(4, 6), [INDEXER]))
+            indexed = c.hit_transfers({}, [INDEXER])
             answers[kind] = [
-                c.query(tokens[: 6 * P], c.hit_transfers({}, [INDEXER])),
-                c.query(
-                    tokens[4 * P : 6 * P],
-                    c.hit_transfers({}, [INDEXER]),
-                    last_hash=keys[3],
-                    prefix_keys=keys[:4],
-                ),
+                c.query(tokens[: 6 * P], indexed),
+                c.query(tokens[4 * P : 6 * P], indexed, last_hash=keys[3], prefix_keys=keys[:4]),
+                c.query(tokens[: 2 * P], indexed),  # partial
+                c.query(tokens, indexed),  # extended past what was stored
+                c.query(chain(2, P, seed=31)[0], indexed),  # never stored
             ]
             dest = 7 + 3 * run  # host pages 7-9, 10-12, 13-15
             load = [PoolTransfer(name=INDEXER, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)]
@@ -425,6 +426,9 @@ def test_deepseek_v32_mla_and_dsa_indexer_in_every_layout(layout: str, tier: Tie
     assert answers["ours"] == [
         (3 * P, [1, 2, 3], {"kv": 6, "indexer": 3}),
         (2 * P, [1, 2], {"kv": 2, "indexer": 2}),
+        (2 * P, [1, 2], {"kv": 2, "indexer": 2}),
+        (3 * P, [1, 2, 3], {"kv": 6, "indexer": 3}),
+        (0, [], {"kv": 0}),
     ]
 
 
@@ -458,7 +462,21 @@ def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(tier: Tier, tmp_path: Pat
                     c.backup(keys, Span(range(4, 8), [], {MAMBA: (torch.tensor([1]), 1)}))
                 else:  # rank 1 is no writer: its KV is skipped, its state stored
                     c.backup(keys, Span(range(4, 8)))
-            answers[kind] = [c.query(tokens, c.hit_transfers({MAMBA: 1}, [])) for _, c in ranks]
+            answers[kind] = [
+                [
+                    c.query(tokens, c.hit_transfers({MAMBA: 1}, [])),
+                    c.query(tokens[: 4 * P], c.hit_transfers({MAMBA: 1}, [])),  # partial
+                    c.query(  # mid-chain, from page 4
+                        tokens[4 * P :],
+                        c.hit_transfers({MAMBA: 1}, []),
+                        last_hash=keys[3],
+                        prefix_keys=keys[:4],
+                    ),
+                    c.query(chain(9, P, seed=9)[0], c.hit_transfers({MAMBA: 1}, [])),  # extended
+                    c.query(chain(2, P, seed=31)[0], c.hit_transfers({MAMBA: 1}, [])),  # never stored
+                ]
+                for _, c in ranks
+            ]
             for rank, (_, c) in enumerate(ranks):
                 slot = 5 + 2 * run + rank  # slots 5-6, 7-8, 9-10: each load into slots never loaded
                 load = PoolTransfer(name=MAMBA, host_indices=torch.tensor([slot]), keys=[keys[3]])
@@ -468,12 +486,28 @@ def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(tier: Tier, tmp_path: Pat
             for backend, _ in ranks:
                 if kind != "file":
                     backend.close()
-    expected = [(8 * P, [4, 8], {"kv": 8, "mamba": 8}), (4 * P, [4], {"kv": 8, "mamba": 4})]
+    never = (0, [], {"kv": 0})
+    expected = [
+        [
+            (8 * P, [4, 8], {"kv": 8, "mamba": 8}),
+            (4 * P, [4], {"kv": 4, "mamba": 4}),
+            (4 * P, [4], {"kv": 4, "mamba": 4}),
+            (8 * P, [4, 8], {"kv": 8, "mamba": 8}),
+            never,
+        ],
+        [  # rank 1 holds a state at page 4 only
+            (4 * P, [4], {"kv": 8, "mamba": 4}),
+            (4 * P, [4], {"kv": 4, "mamba": 4}),
+            (0, [], {"kv": 4}),
+            (4 * P, [4], {"kv": 8, "mamba": 4}),
+            never,
+        ],
+    ]
     assert answers["file"] == expected
     if tier.shared:
         assert answers["ours"] == answers.get("restarted", answers["ours"]) == expected
     else:  # rank-local memory: rank 1, never a KV writer in SGLang, never sees rank 0's KV copy
-        assert answers["ours"] == [expected[0], (0, [], {"kv": 0})]
+        assert answers["ours"] == [expected[0], [never] * 5]
 
 
 def test_an_mha_draft_pool_beside_mla_kv_is_per_rank_at_tp2(fs: dict[str, Any], tmp_path: Path) -> None:
