@@ -25,9 +25,15 @@ if importlib.util.find_spec("torchvision") is None:
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+#: What a host pool built here may book. Outside such a scope SGLang refuses any pool while the
+#: machine has less than its 10 GiB serving reserve free (`HICACHE_HOST_MEMORY_RESERVE_BYTES`),
+#: which a shared test machine often has not: the pools here are the size the test asks for.
+HOST_POOL_BUDGET = 1 << 40
 
 __all__ = [
     "HiCacheFile",
@@ -63,17 +69,18 @@ def mha_pool(
         device="cpu",
         enable_memory_saver=False,
     )
-    pool = MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        1.0,
-        0,
-        page_size,
-        layout,
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-    )
+    with host_memory_budget_scope(HOST_POOL_BUDGET):
+        pool = MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            1.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+        )
     _randomize(pool)
     return pool
 
@@ -81,18 +88,19 @@ def mha_pool(
 def mla_pool(layout: str, *, page_size: int = 64, layers: int = 4, tokens: int = 512) -> MLATokenToKVPoolHost:
     """SGLang's MLA host pool (DeepSeek's 512 + 64 dims), over its device pool built on the CPU."""
     device = MLATokenToKVPool(tokens, page_size, torch.bfloat16, 512, 64, layers, "cpu", False)
-    pool = MLATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        1.0,
-        0,
-        page_size,
-        layout,
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-        target_layer_num=layers,
-    )
+    with host_memory_budget_scope(HOST_POOL_BUDGET):
+        pool = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            1.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            target_layer_num=layers,
+        )
     _randomize(pool)
     return pool
 
