@@ -510,33 +510,46 @@ def test_mla_kv_shared_and_mamba_state_per_rank_at_tp2(tier: Tier, tmp_path: Pat
         assert answers["ours"] == [expected[0], [never] * 5]
 
 
-def test_an_mha_draft_pool_beside_mla_kv_is_per_rank_at_tp2(fs: dict[str, Any], tmp_path: Path) -> None:
-    """An MHA draft model beside an MLA target (SGLang's own case: its controller gives such draft
-    pools rank-specific keys on Mooncake): the draft's heads are split across TP ranks, so each
-    rank's draft page is its own bytes. Rank 1 never reads rank 0's draft shard as its own."""
+def test_an_mha_draft_pool_beside_mla_kv_is_stored_once_at_tp2(fs: dict[str, Any], tmp_path: Path) -> None:
+    """An MHA draft model beside an MLA target (an EAGLE draft for DeepSeek / Kimi) at TP 2: SGLang
+    backs the draft pages up from the writer rank only (rank-specific copies on Mooncake alone)
+    and asks every rank for them, so they are stored once, as HiCacheFile stores them: both ranks
+    hit as HiCacheFile's do, and rank 1 loads the writer's draft heads (the documented cost: the
+    draft's acceptance). Stored per rank, rank 1 would answer 0 and SGLang's minimum across the
+    ranks would cut every hit."""
     fs = {**fs, "refresh_interval_s": 0}
     kv = mla_pool("page_first", tokens=1024)
     drafts = [mha_pool("page_first", page_size=P, tokens=1024) for _ in range(2)]  # each rank's heads
-    _, keys = chain(4, P, seed=11)
-    ranks = [
-        attach("ours", fs, kv, {DRAFT: drafts[rank]}, tmp_path, tp_rank=rank, tp_size=2) for rank in (0, 1)
-    ]
-    try:
-        (writer, c0), (reader, _) = ranks
-        c0.backup(keys, Span(range(0, 4), [DRAFT]))  # rank 0, the writer: KV and its draft shard
-        dest = torch.arange(8 * P, 12 * P)
-        assert reader.batch_get_v2([PoolTransfer(name=DRAFT, host_indices=dest, keys=keys)]) == {
-            DRAFT: [False] * 4
-        }
-        assert writer.batch_get_v2([PoolTransfer(name=DRAFT, host_indices=dest, keys=keys)]) == {
-            DRAFT: [True] * 4
-        }
-        assert [flat_bytes(drafts[0], (8 + i) * P) for i in range(4)] == [
-            flat_bytes(drafts[0], i * P) for i in range(4)
+    tokens, keys = chain(4, P, seed=11)
+    answers = {}
+    for kind in ("ours", "file"):
+        ranks = [
+            attach(kind, fs, kv, {DRAFT: drafts[rank]}, tmp_path / kind, tp_rank=rank, tp_size=2)
+            for rank in (0, 1)
         ]
-    finally:
-        for backend, _ in ranks:
-            backend.close()
+        try:
+            # Both ranks back the span up; SGLang's own `should_backup` leaves rank 1's to rank 0.
+            stored = [c.backup(keys, Span(range(0, 4), [DRAFT])) for _, c in ranks]
+            answers[kind] = (stored, [c.query(tokens, c.hit_transfers({}, [DRAFT])) for _, c in ranks])
+            if kind == "ours":
+                (_, c1) = ranks[1]
+                load = [PoolTransfer(name=DRAFT, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)]
+                assert c1.prefetch(keys, [8, 9, 10, 11], load) == (4 * P, {})  # draft counts in the KV pages
+                assert [flat_bytes(drafts[1], (8 + i) * P) for i in range(4)] == [
+                    flat_bytes(drafts[0], i * P) for i in range(4)
+                ]
+        finally:
+            for backend, _ in ranks:
+                if kind == "ours":
+                    backend.close()
+    assert (
+        answers["ours"]
+        == answers["file"]
+        == (
+            [4 * P, 0],
+            [(4 * P, [1, 2, 3, 4], {"kv": 4, "draft": 4})] * 2,
+        )
+    )
 
 
 # -- layouts and bad input ------------------------------------------------------------------------------

@@ -79,11 +79,10 @@ RUN_COPY_POOLS = {
     "MambaPoolHost": ("page_first", "page_first_direct"),
     "DSAIndexerPoolHost": ("page_first", "page_first_direct"),
 }
-#: Pools whose pages differ per tensor-parallel rank even for an MLA model (SGLang's own rule).
+#: Pools whose pages differ per tensor-parallel rank even for an MLA model, and that SGLang
+#: backs up from every rank (`HybridCacheController.should_backup`): every other pool beside MLA
+#: KV is backed up by the writer rank alone, so it is stored once, for every rank to find.
 PER_RANK_POOLS = frozenset({PoolName.MAMBA})
-#: Host pool classes whose pages hold one TP rank's share of the heads, whatever the KV pages
-#: are: per rank even beside MLA KV.
-HEAD_SHARDED_POOLS = (MHATokenToKVPoolHost,)
 #: Attributes of a host pool that decide its pages' bytes, where the pool has them.
 GEOMETRY_ATTRIBUTES = (
     "dtype",
@@ -270,9 +269,19 @@ class ExtraPools:
                 return None
             raise ConfigError(f"kvtier SGLang backend: host pool '{name}' registered twice, with two pools")
         pages = FlatPages.of(name, pool)
-        per_rank = (
-            name in PER_RANK_POOLS or not self.config.is_mla_model or isinstance(pool, HEAD_SHARDED_POOLS)
-        )
+        per_rank = name in PER_RANK_POOLS or not self.config.is_mla_model
+        if not per_rank and isinstance(pool, MHATokenToKVPoolHost) and self.config.tp_size > 1:
+            # An MHA draft model beside MLA KV: its heads are split across ranks, but SGLang backs
+            # its pages up from the writer rank only (rank-specific copies on Mooncake alone), and
+            # asks every rank for them: a copy per rank would never be written, and no rank would
+            # hit at all. As with HiCacheFile, the other ranks load the writer's draft heads.
+            log.warning(
+                "kvtier SGLang backend: host pool '%s' holds %d of a draft model's heads per rank "
+                "beside MLA KV, but SGLang backs it up from one rank only: ranks other than that one "
+                "load its heads (the draft's acceptance may drop; the target's output is unchanged)",
+                name,
+                getattr(pool, "head_num", 0),
+            )
         layout = BlockLayout.packed_page(pages.page_nbytes, EXTRA_BLOCK_BYTES)
         fields = pages.geometry(name, pool)
         if layout.blocks_per_page > 1:  # never read as a page stored whole, nor the reverse
