@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Sequence
+from types import TracebackType
 
 from kvtier_async.tiers.memory import MemoryTier
 
@@ -76,10 +77,23 @@ class ProbeTier(MemoryTier):
         self.key_writes: Counter[bytes] = Counter()
         self.changed = asyncio.Event()
 
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            # The test failed, maybe with calls held at a gate it shut. Closing waits for the calls
+            # in flight, so open the gates: the failure is reported instead of waiting for ever
+            # (a failed assertion in test_lane_limits_are_never_exceeded hung CI so).
+            for gate in self.gates.values():
+                gate.set()
+        await super().__aexit__(exc_type, exc_val, exc_tb)
+
     async def until(self, predicate: Callable[[], bool]) -> None:
-        # A guard against a hang, not a timing bound: a state never reached (seen once in CI,
-        # in test_lane_limits_are_never_exceeded, cause unknown) fails with what the tier held,
-        # where the run would otherwise wait until CI's own limit.
+        # A guard against a hang, not a timing bound: a state never reached fails with what the
+        # tier held, where the run would otherwise wait until CI's own limit.
         try:
             async with asyncio.timeout(HANG_S):
                 while not predicate():

@@ -74,6 +74,21 @@ async def test_lane_limits_are_never_exceeded() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_failure_while_calls_wait_at_a_shut_gate_is_reported_not_hung() -> None:
+    # Closing waits for the calls in flight: with the gates left shut, a failed assertion would
+    # wait there for ever instead of failing the test.
+    tier, _ = make_tier()
+    with pytest.raises(AssertionError, match="a failed check"):
+        async with asyncio.timeout(probe_tier.HANG_S):  # a guard against a hang, not a timing bound
+            async with tier:
+                tier.gates["write"].clear()
+                store = asyncio.ensure_future(tier.store(keys(1), [0]))
+                await tier.until(lambda: tier.held["write"] == 1)
+                raise AssertionError("a failed check")
+    assert tier.closed and await store == [True]
+
+
+@pytest.mark.asyncio
 async def test_a_load_completes_while_every_store_place_is_blocked() -> None:
     tier, primary = make_tier(max_inflight_loads=1, max_inflight_stores=2, max_pending_stores=8)
     async with tier:
@@ -187,8 +202,10 @@ async def test_one_read_per_key_for_100_concurrent_loads_of_one_prefix() -> None
             else:
                 ids = list(range(16 + 8 * r, 24 + 8 * r))
                 requests.append(asyncio.ensure_future(cache.load(prefix, ids)))
-        await probe.until(lambda: probe.held["read"] >= 1)
-        probe.gates["read"].set()
+        try:
+            await probe.until(lambda: probe.held["read"] >= 1)
+        finally:
+            probe.gates["read"].set()  # a failure above must not leave the cache's close waiting on it
         assert await asyncio.gather(*requests) == [8] * 100
         assert probe.key_reads == {k: 1 for k in prefix}
         assert cache.stats()["primary_pinned_blocks"] == 0
