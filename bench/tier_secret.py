@@ -1,6 +1,7 @@
 """What a tier secret costs: each persistent tier with and without one, in the same rounds.
 
     python bench/tier_secret.py --repeat 8 --json /tmp/tier_secret.json
+    python bench/tier_secret.py --tiers redis --repeat 16   # one tier's ratio, in less time
 
 `kvtier bench` on the fs tier (2 and 32 MiB blocks, in a temporary directory) and on the
 Redis and S3 tiers (1 MiB blocks; a local redis-server and moto's S3 server, started here as
@@ -27,12 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import servers  # the test suite's server helpers: one way to start them
 
 BUCKET = "kvtier-bench"
+TIERS = ("fs", "redis", "s3")
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="MiB moved per tier and block size")
     parser.add_argument("--repeat", type=int, default=8)
+    parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS), help="which tiers (all)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {}
@@ -51,10 +54,13 @@ async def main() -> None:
                 "timeout_s": 30.0,
                 **servers.S3_CREDENTIALS,
             }
+            remote = [t for t in ({"type": "redis", "url": redis.url}, s3_tier) if t["type"] in args.tiers]
             for name, tiers, block_kib in (
-                ("fs", [{"type": "fs"}], [2048, 32768]),
-                ("remote", [{"type": "redis", "url": redis.url}, s3_tier], [1024]),
+                ("fs", [{"type": "fs"}] if "fs" in args.tiers else [], [2048, 32768]),
+                ("remote", remote, [1024]),
             ):
+                if not tiers:
+                    continue
                 config = BenchConfig(
                     secondary_tiers=tiers,
                     block_kib=block_kib,

@@ -137,6 +137,16 @@ def test_redis_sealed_pool_bench_runs(tmp_path: Path) -> None:
     assert all(row["load_gbps"] > 0 and row["lag_p99_ms"] >= 0 for row in variants.values())
 
 
+@servers.needs_redis
+def test_tier_secret_bench_runs_for_one_tier(tmp_path: Path) -> None:
+    out = tmp_path / "secret.json"
+    bench("tier_secret.py", "--tiers", "redis", "--mib", "8", "--repeat", "1", "--json", out)
+    results = json.loads(out.read_text())
+    assert list(results) == ["remote"]  # no fs cases, and no S3 one beside the Redis tier's
+    [case] = results["remote"]["cases"]
+    assert case["type"] == "redis" and case["exact"] and case["with_secret"]["store"]["gbps"] > 0
+
+
 def test_contention_bench_runs(tmp_path: Path) -> None:
     args = ("--block-kib", "64", "--store-batches", "2", "--loads", "4")
     summary = bench_records("contention.py", tmp_path, *args)
