@@ -6,6 +6,11 @@ in the tier's lane of its direction (the scheduler's admission: loads first, at 
 `max_inflight_*` calls per tier) and then for its bytes among the cache's bytes in
 flight. A store's blocks hold room in the lane's pending budget until their batch is
 admitted: each batch gives its share back then, or when it ends without admission.
+
+A call runs its batches on at most as many tasks as its lane has places, each taking the next
+batch when its last one ends: a call of many batches (a 2,048-block load is 8 batches at
+64 KiB) holds no task, coroutine and lane waiter for a batch that could not run yet anyway.
+Batches still begin in order and still queue at the lane by priority.
 """
 
 from __future__ import annotations
@@ -62,6 +67,17 @@ async def run_in_batches(
     if len(keys) <= batch:
         await one(0)
         return
-    async with anyio.create_task_group() as group:
-        for start in range(0, len(keys), batch):
-            group.start_soon(one, start)
+    starts = iter(range(0, len(keys), batch))  # shared: each task takes the next batch not begun
+
+    async def take_turns() -> None:
+        for start in starts:
+            await one(start)
+
+    try:
+        async with anyio.create_task_group() as group:
+            for _ in range(min(lane.capacity, -(-len(keys) // batch))):
+                group.start_soon(take_turns)
+    finally:
+        if pending:  # the batches never begun (a batch failed, or we were cancelled)
+            for start in starts:
+                lane.release_pending(len(keys[start : start + batch]))
