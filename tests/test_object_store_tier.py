@@ -66,6 +66,26 @@ async def test_256_callers_at_once_fail_nothing_for_our_own_reasons(
 
 
 @pytest.mark.asyncio
+async def test_a_batch_begins_no_more_requests_than_the_gate_lets_through(
+    s3_server: servers.S3Server,
+) -> None:
+    # 8 blocks in one batch, two requests at the server: a block is begun once one of the
+    # batch's requests ends, so none of them ever waits at the gate (each would hold a task,
+    # coroutines and a waiter meanwhile), and every one is still written and read back.
+    tier, primary = scenarios.make_tier(config(s3_server.endpoint, max_requests=2))
+    async with tier:
+        keys = [make_key(i, b"bounded") for i in range(8)]
+        payloads = scenarios.fill(primary, list(range(8)), seed=3)
+        assert await tier.store(keys, list(range(8))) == [True] * 8
+        assert await tier.lookup_each(keys) == [True] * 8
+        assert await tier.load(keys, list(range(8, 16))) == [True] * 8
+        gate = tier.stats()["server_gate"]
+        await tier.delete(keys)
+    assert [bytes(primary.slot_view(8 + i)) for i in range(8)] == payloads
+    assert gate["max_inflight_seen"] == 2 and gate["waited_s"] == 0
+
+
+@pytest.mark.asyncio
 async def test_an_object_changed_out_of_band_is_a_counted_miss(s3_server: servers.S3Server) -> None:
     tier, primary = scenarios.make_tier(config(s3_server.endpoint))
     async with tier:
