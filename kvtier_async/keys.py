@@ -69,11 +69,16 @@ def check_keys(keys: Sequence[bytes]) -> None:
         raise InvalidArgumentError(
             f"keys must be a sequence of bytes (e.g. a list), got {type(keys).__name__}"
         )
-    for i, key in enumerate(keys):
-        if type(key) is not bytes:
-            raise InvalidArgumentError(f"keys[{i}] must be bytes, got {type(key).__name__}")
-        if not 1 <= len(key) <= MAX_KEY_BYTES:
-            raise InvalidArgumentError(f"keys[{i}] must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)}")
+    # The common case checked in C (types and lengths of the whole batch at once); the loop below
+    # only finds which key is bad, for the message.
+    if keys and not (
+        set(map(type, keys)) == {bytes} and min(map(len, keys)) >= 1 and max(map(len, keys)) <= MAX_KEY_BYTES
+    ):
+        for i, key in enumerate(keys):
+            if type(key) is not bytes:
+                raise InvalidArgumentError(f"keys[{i}] must be bytes, got {type(key).__name__}")
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise InvalidArgumentError(f"keys[{i}] must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)}")
     if len(set(keys)) != len(keys):
         raise InvalidArgumentError("keys must not repeat within one call")
 

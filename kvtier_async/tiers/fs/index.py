@@ -239,23 +239,36 @@ class SlabIndex:
         self, record_ids: np.ndarray[Any, np.dtype[np.int64]], rows: np.ndarray[Any, np.dtype[np.uint8]]
     ) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Whether each record holds the key in its row of `rows` (keys of one length): `_key_at`
-        for a batch (`KeyTable.get_many`), compared in numpy, slab by slab."""
+        for a batch (`KeyTable.get_many`), compared in numpy, slab by slab: the records sorted
+        once, so each slab's are a slice, and its keys compared whole (as one opaque item each)
+        where its rows are as wide as the keys (an engine's keys are all of one length)."""
         same = np.zeros(len(rows), dtype=bool)
         length = rows.shape[1]
-        slabs = record_ids >> _RECORD_BITS
-        records = record_ids & _RECORD_MASK
-        for slab in np.unique(slabs).tolist():
+        order = np.argsort(record_ids)
+        ordered = record_ids[order]
+        slabs = ordered >> _RECORD_BITS
+        records = ordered & _RECORD_MASK
+        ends = [*(np.flatnonzero(slabs[1:] != slabs[:-1]) + 1).tolist(), len(order)]
+        asked = np.ascontiguousarray(rows).view(f"V{length}").ravel()
+        start = 0
+        for end in ends:
+            slab, first = int(slabs[start]), start
+            start = end
             columns = self.columns.get(slab)
             if columns is None or columns.width < length:
                 continue
-            at = np.flatnonzero(slabs == slab)
-            held = records[at]
+            at, held = order[first:end], records[first:end]
             records_held = len(columns.lengths)
-            inside = held < records_held
-            at, held = at[inside], held[inside]
-            stored = np.frombuffer(columns.keys, dtype=np.uint8).reshape(records_held, columns.width)
+            if held[-1] >= records_held:  # sorted: the last is the largest (never, in fact)
+                inside = held < records_held
+                at, held = at[inside], held[inside]
             lengths = np.frombuffer(columns.lengths, dtype=np.uint8)
-            same[at] = (lengths[held] == length) & (stored[held, :length] == rows[at]).all(axis=1)
+            if columns.width == length:
+                stored = np.frombuffer(columns.keys, dtype=f"V{length}")
+                same[at] = (lengths[held] == length) & (stored[held] == asked[at])
+            else:
+                keys = np.frombuffer(columns.keys, dtype=np.uint8).reshape(records_held, columns.width)
+                same[at] = (lengths[held] == length) & (keys[held, :length] == rows[at]).all(axis=1)
         return same
 
     def _index(self, where: Record, key: bytes, checksum: int) -> None:
