@@ -9,7 +9,9 @@ and the garbage collector's pauses with the index full.
 For each size, in fresh processes on one new root (the index does not depend on the block
 size: 4 KiB blocks let a million fit on a small disk):
 
-- a writer stores N blocks (store rate), then, with them all held, looks every key up (lookup
+- a writer stores N blocks (store rate; and the longest the event loop's thread computed
+  without coming back to the loop meanwhile, `LoopHold` with the collector on: the index's
+  growth, a batch's stores, collections), then, with them all held, looks every key up (lookup
   rate: the fastest of three passes), runs full collections (the longest `gc.callbacks` pause,
   in the collecting thread's CPU time, once a first collection has freed what the stores and
   lookups left) and reports what its memory grew by from before it
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtier_async as kt
+from kvtier_async.testing.loop_hold import LoopHold
 from kvtier_async.tiers.fs import FileSystemTier
 
 BATCH = 4096
@@ -101,9 +104,11 @@ async def fill(root: Path, blocks: int, block_kib: int) -> dict[str, Any]:
     capacity = blocks * (block_kib * 1024 + 1024) * 2
     async with FileSystemTier(spec, primary.view, root=str(root), capacity_bytes=capacity) as tier:
         started = time.perf_counter()
-        for start in range(0, blocks, BATCH):
-            part = keys[start : start + BATCH]
-            assert all(await tier.store(part, list(range(len(part)))))
+        with LoopHold() as hold:
+            gc.enable()  # held off by LoopHold; on here: its pauses hold the loop in serving too
+            for start in range(0, blocks, BATCH):
+                part = keys[start : start + BATCH]
+                assert all(await tier.store(part, list(range(len(part)))))
         store_s = time.perf_counter() - started
         lookup_rate = await lookups_per_s(tier, keys)
         grown = rss_bytes() - before
@@ -119,6 +124,7 @@ async def fill(root: Path, blocks: int, block_kib: int) -> dict[str, Any]:
             "rss_bytes_per_block": grown / blocks,
             "gc_full_pause_ms": pauses.longest[2] * 1e3,
             "gc_pause_during_fill_ms": during_fill * 1e3,
+            "loop_hold_during_fill_ms": hold.longest_s * 1e3,
         }
         print(json.dumps(out), flush=True)
         sys.stdin.readline()  # the second process has measured: close
@@ -181,7 +187,8 @@ def one_size(
         f"{seen['lookup_blocks_per_s']:,.0f} (second); "
         f"stores {wrote['store_blocks_per_s']:,.0f} blocks/s; "
         f"longest gc pause: full collection {wrote['gc_full_pause_ms']:.1f} ms, "
-        f"during the fill {wrote['gc_pause_during_fill_ms']:.1f} ms",
+        f"during the fill {wrote['gc_pause_during_fill_ms']:.1f} ms; "
+        f"longest loop hold during the fill {wrote['loop_hold_during_fill_ms']:.0f} ms",
         flush=True,
     )
     return {"code": label, "block_kib": block_kib, "writer": wrote, "second": seen, "restarted": restarted}
