@@ -14,8 +14,9 @@ import fs_helpers as h
 import pytest
 
 from kvtier_async.tiers.fs import key_table
-from kvtier_async.tiers.fs.index import Claim, OwnSlab, SlabIndex
+from kvtier_async.tiers.fs.index import Claim, LogNews, OwnSlab, SlabIndex
 from kvtier_async.tiers.fs.key_table import KeyTable
+from kvtier_async.tiers.fs.layout import Entry
 
 SLAB_RECORDS = 4096
 KEY_BYTES = 32
@@ -239,3 +240,23 @@ def test_a_growing_table_never_works_in_proportion_to_its_size_at_once() -> None
     assert grew > 10 and not table.growing  # it grew, over many batches, and is done
     assert max(peaks) <= 1 << 20, max(peaks)
     assert table.get_many(keys[::97]) == list(range(0, len(keys), 97))
+
+
+def test_a_claimed_slab_s_record_read_as_another_s_is_room_only_once_the_read_ends() -> None:
+    """Claiming a slab another process wrote: its records that hold nothing are free, in order,
+    except one still being read from our view of it as another's slab, which is room only once
+    that read ends (never written while read)."""
+    index = SlabIndex(4096)
+    key = h.key_for(1)
+    news = LogNews(slab=3, reset=True, entries=[Entry(1, 5, False, key, 9)], inode=1, offset=0, data_fd=-1)
+    index.apply_news(news)
+    pinned = index.pin(key)
+    assert pinned is not None and pinned[0] == (3, 5)
+    state = OwnSlab(records=SLAB_RECORDS, data_fd=-1, log_fd=-1, log_entries=0, end=0)
+    index.take_claim(Claim(3, state, [Entry(2, 5, True, key, 0)], disk_full=False))  # deleted since
+    taken = [index.take_free() for _ in range(SLAB_RECORDS - 1)]
+    assert [t[0] for t in taken if t is not None] == [(3, r) for r in range(SLAB_RECORDS) if r != 5]
+    assert index.take_free() is None
+    index.unpin(*pinned)
+    again = index.take_free()
+    assert again is not None and again[0] == (3, 5)

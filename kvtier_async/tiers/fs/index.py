@@ -393,15 +393,16 @@ class SlabIndex:
             columns.ages[record] = e.seq
             if not self.readers[where]:
                 self._lru_add(where, newest=False)
-        free = array("q")
-        for record in range(state.records - 1, -1, -1):  # popped from the end: record 0 first
-            where = (slab, record)
-            if columns.lengths[record]:
-                continue
-            if self.readers[where]:
+        # The records that hold nothing, found in numpy: a slab has tens of thousands, and a loop
+        # over them held the event loop some 20 ms of CPU a claim.
+        empty = np.frombuffer(columns.lengths, dtype=np.uint8) == 0
+        for where in [w for w in self.readers if w[0] == slab and w[1] < len(empty)]:  # in flight
+            if empty[where[1]]:
+                empty[where[1]] = False
                 self.doomed.add(where)  # read as another's record: room once that read ends
-            else:
-                free.append(_id(slab, record))
+        free = array("q")
+        # Popped from the end: record 0 first.
+        free.frombytes((np.flatnonzero(empty)[::-1] | (slab << _RECORD_BITS)).astype(np.int64).tobytes())
         # Behind what is left of the slab before (claimed ahead): that one fills first, in order.
         self.free = free + self.free
         return to_close
