@@ -8,7 +8,7 @@ means a file descriptor may be closed, it returns the descriptor: the tier close
 
 It holds no Python object per block, so that its memory is a few tens of bytes a block plus the
 key's length, and garbage collections never walk it: a key is found through `KeyTable` (a hash
-table in two flat arrays), and what each record holds (its key, payload checksum, age, place in
+table in one flat array), and what each record holds (its key, payload checksum, age, place in
 the least-recently-used order, state) lives in flat per-slab columns (`Columns`). Only what is
 bounded by the operations in flight (pins, holds, records freed while read) is kept in sets and
 dicts.

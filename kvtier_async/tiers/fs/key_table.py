@@ -1,12 +1,12 @@
-"""`KeyTable`: which record holds a key, in two flat arrays, with no Python object per key.
+"""`KeyTable`: which record holds a key, in one flat array, with no Python object per key.
 
 An open-addressing hash table with linear probing: each slot holds a record's id (a packed
 `(slab, record)`, plus one; 0 is an empty slot) and the 64-bit hash of its key.
 The table holds no keys: a slot whose hash matches is confirmed by comparing the whole key with
 the one its record holds (`key_of`, the index's per-slab key columns), so two keys of one hash
-find each their own record, never the other's. Garbage collections never walk it (its arrays
-are two objects, whatever it holds), and it takes 16 bytes a slot, 25 to 70% of its slots used:
-23 to 64 bytes an entry.
+find each their own record, never the other's. Garbage collections never walk it (its array is
+one object, whatever it holds), and it takes 16 bytes a slot, 35 to 70% of its slots used (fewer
+after removals): 23 to 46 bytes an entry.
 
 It grows without holding its caller (the event loop) for long: past 70% full, a table twice the
 size takes the new entries, and each `put` after that moves about eight slots' worth of the old
