@@ -216,6 +216,32 @@ def test_the_table_answers_as_a_dict_while_it_grows_chunk_by_chunk(hashes: str) 
     assert table.get_many([*model]) == [*model.values()]
 
 
+@pytest.mark.parametrize("hashes", list(GROWTH_HASHES))
+def test_a_table_reserved_for_a_replayed_log_answers_as_a_dict(hashes: str) -> None:
+    """A restarted process replays whole logs: `reserve` sizes the table for each log's entries
+    at once (while it grows too), and the table still answers as a dict; a batch small next to
+    what the table holds reserves nothing (the puts grow it chunk by chunk)."""
+    held: dict[int, bytes] = {}
+    table = KeyTable(held.get, hash_key=GROWTH_HASHES[hashes])
+    table.reserve(5000)
+    assert len(table._table) == 8192 and not table.growing
+    model: dict[bytes, int] = {}
+    for record in range(30_000):
+        if record in (5000, 12_000, 20_000):  # the next log, replayed at once
+            table.reserve(len(table) + 5000)
+        key = (record % 25_000).to_bytes(4, "little")  # the last 5000 replace earlier ones
+        held[record] = key
+        table.put(key, record)
+        if key in model:
+            del held[model[key]]
+        model[key] = record
+    assert len(table) == len(model) == 25_000
+    assert table.get_many([*model, b"none"]) == [*model.values(), -1]
+    size = len(table._table)
+    table.reserve(len(table) + 100)  # small next to 25,000: nothing now
+    assert len(table._table) == size
+
+
 def test_a_growing_table_never_works_in_proportion_to_its_size_at_once() -> None:
     """Puts of 256 keys at a time (a store's batch, a turn of the loop), to 300,032 keys: none
     allocates more than 1 MiB at its peak, the growths included (each moves a chunk of the old

@@ -526,6 +526,7 @@ class SlabIndex:
         # A refresh after a restart indexes every block of the namespace here: one probe of the
         # table per entry, and the record's columns set before its key is found there.
         columns, put, first_id = self.columns[news.slab], self.table.put, _id(news.slab, 0)
+        self.table.reserve(len(self.table) + len(news.entries))
         for e in news.entries:
             record = e.record
             if record < len(columns) and columns.lengths[record]:

@@ -322,6 +322,27 @@ class KeyTable:
         ids[i], hashes[i] = _EMPTY, 0
 
     # -- growth ----------------------------------------------------------------------------------
+    def reserve(self, entries: int) -> None:
+        """Make room for `entries` in all at once, where that costs little next to the caller's
+        own work: for a batch of at least an eighth as many new entries as the table holds (a
+        log replayed by a restarted process), a table of the size they need now, its entries
+        placed in numpy, instead of doublings moved chunk by chunk over the puts that follow
+        (which cost more in all). Otherwise nothing: the puts grow the table as usual."""
+        new = entries - self._live
+        if new <= 0 or 8 * new < self._live:
+            return
+        size = len(self._table)
+        while entries > _MAX_LOAD * size:
+            size *= 2
+        if size == len(self._table):
+            return
+        while self._old is not None:
+            self._move_chunk()
+        old = self._table
+        used = old.ids != _EMPTY
+        self._table = _Slots(size)
+        _place(self._table, old.ids[used], old.hashes[used])
+
     def _grow(self) -> None:
         """A table twice the size takes the new entries; the old one is moved into it by the
         puts that follow (`_move_chunk`), starting from one of its empty slots."""
