@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
     StorageOperation,
 )
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, LogicalHostPool
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
@@ -44,6 +44,7 @@ __all__ = [
     "Span",
     "chain",
     "dsa_pools",
+    "dsv4_logical_pool",
     "dsv4_pool",
     "flat_bytes",
     "mamba_pool",
@@ -110,14 +111,15 @@ def dsv4_pool(
     pages: int = 32,
     page_size: int = 16,
     item_bytes: int = 584,
+    name: PoolName = PoolName.DEEPSEEK_V4_C4,
 ) -> DeepSeekV4PagedHostPool:
-    """SGLang's DeepSeek V4 paged host pool (a compressed KV region, the pools `BLOCK_GROUPS` is
-    defined for): `item_bytes` per page and layer, `pages` host pages of `page_size` slots. Its
-    device buffers give only the layer count."""
+    """SGLang's DeepSeek V4 paged host pool `name` (a compressed KV or indexer region):
+    `item_bytes` per page and layer, `pages` host pages of `page_size` slots. Its device buffers
+    give only the layer count."""
     device = [torch.zeros(pages, item_bytes, dtype=torch.uint8) for _ in range(layers)]
     with host_memory_budget_scope(BUDGET):
         pool = DeepSeekV4PagedHostPool(
-            str(PoolName.DEEPSEEK_V4_C4),
+            str(name),
             device,
             item_bytes,
             pages,
@@ -127,6 +129,13 @@ def dsv4_pool(
         )
     randomize(pool.kv_buffer)
     return pool
+
+
+def dsv4_logical_pool(layout: str = "page_first", *, pages: int = 16, page_size: int = 64) -> LogicalHostPool:
+    """DeepSeek V4's KV anchor as SGLang 0.5.23 builds it (`hybrid_pool_assembler`): a
+    `LogicalHostPool` of `pages` pages, with page slots and no bytes; the compressed pools
+    (`dsv4_pool`) have as many pages of the same `page_size`, addressed by its slots."""
+    return LogicalHostPool(pages * page_size, page_size, layout=layout)
 
 
 def qsa_pools(layout: str = "page_first", *, layers: int = 3, tokens: int = 2048) -> tuple[Any, Any]:

@@ -1,8 +1,9 @@
 """Hybrid models through `KVTierHiCacheStorage`'s v2 interface, side by side with SGLang's `HiCacheFile`.
 
-Four pool sets SGLang 0.5.23 assembles, from its own host pool classes built on the CPU: Mamba
+Five pool sets SGLang 0.5.23 assembles, from its own host pool classes built on the CPU: Mamba
 state + DSA indexer over MLA KV; SWA windows + draft pools registered late; DeepSeek V3.2's
-MLA + DSA indexer in every layout; MLA + Mamba at TP 2. Each is driven through SGLang's own
+MLA + DSA indexer in every layout; MLA + Mamba at TP 2; DeepSeek V4's logical KV anchor with
+its compressed pools. Each is driven through SGLang's own
 `HybridCacheController` storage methods (`sglang_hybrid_env.Controller`): backups, hit queries
 and prefetches, against our backend and `HiCacheFile` on the same calls. The hit answers
 must be HiCacheFile's, and each is also pinned to its value here, so agreement is never vacuous.
@@ -32,6 +33,7 @@ from sglang_hybrid_env import (
     Span,
     chain,
     dsa_pools,
+    dsv4_logical_pool,
     dsv4_pool,
     flat_bytes,
     mamba_pool,
@@ -884,6 +886,126 @@ def test_a_deepseek_v4_compressed_pool_answers_as_hicache_file_and_in_whole_bloc
         )
     finally:
         ours.close()
+
+
+# -- pool set 5: DeepSeek V4 (a logical KV anchor + compressed pools) ---------------------------------
+C4, C4_INDEXER = PoolName.DEEPSEEK_V4_C4, PoolName.DEEPSEEK_V4_C4_INDEXER
+
+
+def dsv4_pools(layout: str) -> tuple[Any, dict[PoolName, Any]]:
+    """DeepSeek V4 as SGLang 0.5.23 assembles it: a `LogicalHostPool` KV anchor (no bytes) and the
+    C4 compressed KV and C4 indexer pools, with as many pages of the anchor's 64 tokens."""
+    kv = dsv4_logical_pool(layout, pages=16, page_size=P)
+    c4 = dsv4_pool(layout, pages=16, page_size=P, item_bytes=16 * 584)
+    indexer = dsv4_pool(layout, pages=16, page_size=P, item_bytes=16 * 132, name=C4_INDEXER)
+    return kv, {C4: c4, C4_INDEXER: indexer}
+
+
+@pytest.mark.parametrize(
+    "layout, tier",  # each layout SGLang builds the pools in, and every tier
+    [
+        ("page_first", "fs"),
+        ("layer_first", "fs-sealed"),
+        ("page_first_direct", "redis"),
+        ("page_first", "memory"),
+    ],
+    indirect=["tier"],
+)
+def test_deepseek_v4_logical_kv_anchor_and_compressed_pools_answer_and_load_as_hicache_file(
+    layout: str, tier: Tier, tmp_path: Path
+) -> None:
+    """SGLang's DeepSeek V4 pool set (a logical KV pool: anchors only) through SGLang's controller:
+    the hit answers HiCacheFile's (whole, mid-chain, partial, extended, never stored, with a
+    compressed indexer page missing in the middle), the compressed pools loaded byte-exact, a
+    page without its indexer page not loaded; ours on the v1 path, HiCacheFile, then ours
+    restarted over the same storage on the generic path (where the tier keeps it)."""
+    kv, pools = dsv4_pools(layout)
+    tokens, keys = chain(8, P, seed=41)
+    derived = [C4, C4_INDEXER]
+    answers = {}
+    for run, kind in enumerate(["ours", "file"] + (["restarted"] if tier.persists else [])):
+        if kind == "restarted":  # the generic path (flat pages), which finds the v1 path's anchors
+            backend, c = attach(
+                "ours", tier.config, kv, pools, tmp_path, extra={**tier.extra, "interface_v1": 0}
+            )
+        else:
+            backend, c = tier.attach(kind, kv, pools, tmp_path)
+        try:
+            if kind != "restarted":
+                assert c.backup(keys, Span(range(0, 3), derived)) == 3 * P
+                assert c.backup(keys, Span(range(3, 4), [C4])) == P  # page 3: no indexer page
+                assert c.backup(keys, Span(range(4, 6), derived)) == 2 * P
+            asked = c.hit_transfers({}, derived)
+            answers[kind] = [
+                c.query(tokens[: 6 * P], asked),
+                c.query(tokens[4 * P : 6 * P], asked, last_hash=keys[3], prefix_keys=keys[:4]),
+                c.query(tokens[: 2 * P], asked),  # partial
+                c.query(tokens, asked),  # extended past what was stored
+                c.query(chain(2, P, seed=43)[0], asked),  # never stored
+            ]
+            dest = 7 + 3 * run  # host pages 7-9, 10-12, 13-15
+            for pool in pools.values():
+                scrub(pool, [(dest + i) * P for i in range(3)])
+            load = [
+                PoolTransfer(name=name, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)
+                for name in derived
+            ]
+            assert c.prefetch(keys[:3], [dest, dest + 1, dest + 2], load) == (3 * P, {})
+            for pool in pools.values():
+                assert [flat_bytes(pool, (dest + i) * P) for i in range(3)] == [
+                    flat_bytes(pool, i * P) for i in range(3)
+                ]
+            assert c.prefetch(keys[3:4], [dest], load) == (0, {})  # its indexer page is missing
+            assert c.prefetch(keys[4:6], [dest, dest + 1], load) == (2 * P, {})
+        finally:
+            if kind != "file":
+                backend.close()
+    assert answers["ours"] == answers["file"] == answers.get("restarted", answers["ours"])
+    compressed = {"deepseek_v4_c4": 6, "deepseek_v4_c4_indexer": 3}
+    assert answers["ours"] == [
+        (3 * P, [1, 2, 3], {"kv": 6, **compressed}),
+        (2 * P, [1, 2], {"kv": 2, "deepseek_v4_c4": 2, "deepseek_v4_c4_indexer": 2}),
+        (2 * P, [1, 2], {"kv": 2, "deepseek_v4_c4": 2, "deepseek_v4_c4_indexer": 2}),
+        (3 * P, [1, 2, 3], {"kv": 6, **compressed}),
+        (0, [], {"kv": 0}),
+    ]
+
+
+def test_a_logical_kv_pools_anchors_are_checked_and_never_kv_pages(
+    fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """A logical KV pool's pages are anchors in a namespace of their own: an MHA model's KV pages
+    under the same keys are not its anchors (nor the reverse); a block under an anchor's name that
+    holds other bytes is not loaded; its flat pages must be empty; nothing is written to a pool
+    that has no memory."""
+    kv, pools = dsv4_pools("page_first")
+    _, keys = chain(4, P, seed=47)
+    slots = torch.arange(0, 2 * P, dtype=torch.int64)
+    ours, _ = attach("ours", fs, kv, pools, tmp_path)
+    mha = mha_pool("page_first", page_size=P, tokens=8 * P)
+    other, _ = attach("ours", fs, mha, {}, tmp_path)
+    try:
+        assert ours.batch_set_v1(keys[:2], slots) == [True, True]
+        assert ours.batch_exists(keys) == 2 and other.batch_exists(keys) == 0
+        assert other.batch_set_v1(keys[2:4], slots) == [True, True]
+        assert ours.batch_exists(keys[2:]) == 0
+        assert ours.batch_get_v1(keys[:2], slots) == [True, True]
+        assert ours.batch_get(keys[:2], [torch.empty(0, dtype=torch.uint8)] * 2)[0] is not None
+        # a block under an anchor's name, of other bytes: found, but never loaded as an anchor
+        anchor, page = ours._anchor, sglang._page_key(keys[3])
+        with anchor.slots.lease(1) as leased:
+            anchor.slots.tensor[leased[0]].fill_(7)
+            layout = ours._layout
+            stored = ours._bridge.call(anchor.tier.store(layout.keys([page]), anchor.slots.block_ids(leased)))
+        assert stored == [True]
+        assert ours.batch_get_v1(keys[3:4], slots[:P]) == [False]
+        with pytest.raises(InvalidArgumentError, match="hold no bytes"):
+            ours.batch_set(keys[:1], [torch.zeros(4, dtype=torch.uint8)])
+        with pytest.raises(InvalidArgumentError, match="host_indices"):
+            ours.batch_set_v1(keys[:2], slots[:P])
+    finally:
+        ours.close()
+        other.close()
 
 
 def test_the_pool_helpers_build_whatever_the_machine_has_free(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,14 @@ or later; each is stored as blocks of its own geometry in a namespace of its own
 `batch_get_v2` move the extra pools, and `batch_exists_v2` answers for KV and the extra pools
 together, per hit policy, as SGLang's `HiCacheFile` does (`sglang_hits`).
 
+DeepSeek V4. SGLang anchors its KV on a `LogicalHostPool`, which holds no bytes (its pages are
+empty; the model's data lies in compressed pools that move through the v2 calls). Each KV page
+of such a pool is stored as one anchor block (`sglang_pages.ANCHOR`), in a namespace of its own
+that names it an anchor of a logical pool: the KV calls store, find and load anchors (a load
+checks the anchor's content and writes nothing: the pool has no memory), so the hit query
+answers the KV prefix as HiCacheFile's zero-byte files do, and the compressed pools are extra
+pools like any other.
+
 Keys. SGLang's page keys are content hashes that name neither the model, the
 KV dtype, the layout nor the rank. The backend's kvtier namespace carries them:
 the model name (and the weights behind it) and a digest of the pool's geometry
@@ -72,6 +80,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
 
 from ..errors import ClosedError, ConfigError, InvalidArgumentError
 from ..spec import OffloadingSpec
@@ -79,7 +88,16 @@ from ..tier import SecondaryTierManager as KVTier
 from .bridge import LoopThread, engine_config, start_tier
 from .known_keys import KnownKeys
 from .sglang_hits import hit_answer
-from .sglang_pages import BlockLayout, PageRuns, PageSlots, StagedPages, flat_order
+from .sglang_pages import (
+    ALIGNMENT,
+    ANCHOR,
+    AnchorShape,
+    BlockLayout,
+    PageRuns,
+    PageSlots,
+    StagedPages,
+    flat_order,
+)
 from .sglang_pools import ExtraPools, pool_namespace
 
 __all__ = ["KNOWN_PAGES", "KVTierHiCacheStorage"]
@@ -91,6 +109,8 @@ log = logging.getLogger(__name__)
 KNOWN_PAGES = 1 << 18
 #: Bytes of the page slots that pages are copied through (flat pages; packed layouts), at most.
 PAGE_SLOT_BYTES = 256 << 20
+#: Page slots that a logical pool's anchors are copied through (64 of 4096 bytes).
+ANCHOR_SLOT_BYTES = 64 * ALIGNMENT
 
 
 def _page_key(key: str) -> bytes:
@@ -139,6 +159,33 @@ def _namespace(config: HiCacheStorageConfig, pool: Any, runs: PageRuns, layout: 
     return pool_namespace(config, fields, per_rank=not config.is_mla_model)
 
 
+def _anchor_namespace(config: HiCacheStorageConfig, pool: Any) -> str:
+    """The kvtier namespace of a logical KV pool's page anchors: named anchors of a logical pool,
+    so they are never read as KV pages (nor KV pages as anchors)."""
+    fields = {
+        "pool": type(pool).__name__,
+        "kind": "logical-pool-anchor",
+        "page_size": int(pool.page_size),
+        "anchor_nbytes": ANCHOR.numel(),
+    }
+    return pool_namespace(config, fields, per_rank=not config.is_mla_model)
+
+
+def _check_slots(pages: int, host_indices: Any, page_size: int) -> None:
+    """Raises `InvalidArgumentError` unless `host_indices` names `pages` pages' token slots."""
+    if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+        raise InvalidArgumentError("host_indices must be a 1-D tensor of host-pool token slots")
+    if host_indices.numel() != pages * page_size:
+        raise InvalidArgumentError(
+            f"{pages} keys need {pages * page_size} host_indices (page size {page_size}), "
+            f"got {host_indices.numel()}"
+        )
+
+
+def _fill_anchor(i: int, page: torch.Tensor) -> None:
+    page.view(-1).copy_(ANCHOR)
+
+
 class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has no type information
     """Any kvtier tier as SGLang's HiCache L3 storage (`--hicache-storage-backend dynamic`)."""
 
@@ -153,7 +200,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         self._known: KnownKeys[bytes] = KnownKeys(KNOWN_PAGES)
         self._closed = False
         self._bridge: LoopThread | None = None
-        self._runs: PageRuns | None = None
+        self._runs: PageRuns | None = None  # None for a logical KV pool (no bytes)
+        self._kv_pool: Any = None  # the KV host pool SGLang registered first
+        self._anchor: StagedPages | None = None  # a logical KV pool's page anchors
         self._layout: BlockLayout | None = None
         self._namespace = ""
         #: The tier `batch_exists`, `clear` and `tier_stats` ask: the one the controller's path uses.
@@ -176,15 +225,19 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         super().register_mem_pool_host(mem_pool_host)
         with self._lock:
             if self._bridge is not None:
-                if self._runs is not None and self._runs.pool is mem_pool_host:
+                if self._kv_pool is mem_pool_host:
                     return  # registered again with the same pool
                 raise ConfigError("kvtier SGLang backend: a second host pool; this backend serves one")
+        if isinstance(mem_pool_host, LogicalHostPool):
+            self._register_anchor(mem_pool_host)
+            return
         runs = PageRuns(mem_pool_host)
         layout = BlockLayout.of(runs)
         order = None if self.interface_v1 else flat_order(runs)  # the generic path needs it: fail now
         bridge = LoopThread("kvtier-sglang")
         with self._lock:
             self._bridge, self._runs, self._layout, self._flat_order = bridge, runs, layout, order
+            self._kv_pool = mem_pool_host
             self._namespace = _namespace(self.storage_config, mem_pool_host, runs, layout)
         try:
             main: KVTier = (
@@ -223,6 +276,32 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                 "flat page copies; with it, pages move in place in the host pool, which is faster"
             )
 
+    def _register_anchor(self, pool: Any) -> None:
+        """A logical KV pool (DeepSeek V4): its pages stored as anchors, in page slots of our own."""
+        bridge, layout = LoopThread("kvtier-sglang"), BlockLayout(1, ALIGNMENT, packed=True)
+        with self._lock:
+            self._bridge, self._layout, self._kv_pool = bridge, layout, pool
+            self._namespace = _anchor_namespace(self.storage_config, pool)
+        try:
+            slots = PageSlots(AnchorShape(), layout, ANCHOR_SLOT_BYTES)
+            tier = bridge.call(self._open(self._spec(layout.block_nbytes, slots.slots), slots.view))
+        except BaseException:
+            with self._lock:
+                self._closed, self._bridge = True, None
+            bridge.stop()
+            raise
+        with self._lock:
+            self._anchor, self._main = StagedPages(tier, slots, bridge), tier
+            self._pools = ExtraPools(self.storage_config, bridge, self._open_extra, self._extra_spec)
+        log.info(
+            "kvtier SGLang backend: %s tier, namespace %s; the KV pool is logical (%s: no bytes), "
+            "each of its pages stored as a %d-byte anchor, the data in the pools registered through v2",
+            self.tier_config["type"],
+            self._namespace,
+            type(pool).__name__,
+            ANCHOR.numel(),
+        )
+
     def _spec(self, block_nbytes: int, blocks: int) -> OffloadingSpec:
         return OffloadingSpec(
             block_nbytes=block_nbytes,
@@ -250,7 +329,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         return tier
 
     def _open_extra(self, spec: OffloadingSpec, view: memoryview) -> KVTier:
-        bridge, _, _ = self._ready()
+        bridge, _ = self._started()
         return bridge.call(self._open(spec, view, kv=False))
 
     def _in_place_tier(self) -> KVTier:
@@ -276,16 +355,58 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                     self._staged = StagedPages(tier, slots, bridge)
             return self._staged
 
-    def _ready(self) -> tuple[LoopThread, PageRuns, BlockLayout]:
+    def _started(self) -> tuple[LoopThread, BlockLayout]:
         with self._lock:
             if self._closed:
                 raise ClosedError("kvtier SGLang backend is closed")
-            if self._bridge is None or self._runs is None or self._layout is None:
+            if self._bridge is None or self._layout is None:
                 raise ConfigError("kvtier SGLang backend: called before SGLang registered its host pool")
-            return self._bridge, self._runs, self._layout
+            return self._bridge, self._layout
+
+    def _ready(self) -> tuple[LoopThread, PageRuns, BlockLayout]:
+        """The KV pool's runs (callers of a logical pool's anchors never come here)."""
+        bridge, layout = self._started()
+        with self._lock:
+            runs = self._runs
+        if runs is None:
+            raise ConfigError("kvtier SGLang backend: the KV host pool is logical and has no pages to move")
+        return bridge, runs, layout
+
+    def _anchors(self) -> StagedPages | None:
+        """A logical KV pool's page anchors, or None where the KV pool holds bytes."""
+        self._started()
+        with self._lock:
+            return self._anchor
+
+    def _store_anchors(self, anchor: StagedPages, keys: list[str]) -> list[bool]:
+        pages = [_page_key(key) for key in keys]
+        if not self.storage_config.is_storage_writer:
+            return [True] * len(keys)  # an MLA replica: the writer rank stores the shared copy
+        started = time.perf_counter()
+        stored = anchor.store(pages, _fill_anchor, self._settle_known)
+        self._record("backup_pgs", "set_gbps", sum(stored), 0, started)
+        return stored
+
+    def _load_anchors(self, anchor: StagedPages, keys: list[str]) -> list[bool]:
+        """Per page, whether its anchor arrived whole and is an anchor (nothing is written: a
+        logical pool has no memory)."""
+        pages, wrong = [_page_key(key) for key in keys], set()
+        started = time.perf_counter()
+
+        def check(i: int, page: torch.Tensor) -> None:
+            if not torch.equal(page.view(-1), ANCHOR):
+                wrong.add(i)
+
+        loaded = anchor.load(pages, check, self._settle_known)
+        if wrong:  # never stored as an anchor here: not a hit
+            log.error("kvtier SGLang backend: %d page anchors hold other bytes; not loaded", len(wrong))
+            loaded = [ok and i not in wrong for i, ok in enumerate(loaded)]
+            self._settle_known([pages[i] for i in sorted(wrong)], [False] * len(wrong))
+        self._record("prefetch_pgs", "get_gbps", sum(loaded), 0, started)
+        return loaded
 
     def _main_tier(self) -> tuple[LoopThread, KVTier, BlockLayout]:
-        bridge, _, layout = self._ready()
+        bridge, layout = self._started()
         with self._lock:
             if self._main is None:
                 raise ConfigError("kvtier SGLang backend: called before SGLang registered its host pool")
@@ -298,6 +419,10 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         """Store each page from the host pool; True per page whose blocks all were stored."""
         if not keys:
             return []
+        anchor = self._anchors()
+        if anchor is not None:  # a logical pool: the pages' anchors
+            _check_slots(len(keys), host_indices, int(self.mem_pool_host.page_size))
+            return self._store_anchors(anchor, keys)
         bridge, runs, layout = self._ready()
         pages, rows = [_page_key(key) for key in keys], runs.rows(len(keys), host_indices)
         if not self.storage_config.is_storage_writer:
@@ -313,7 +438,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         else:
             moved = self._in_place_tier().store(layout.keys(pages), rows)
             stored = bridge.call(self._settled(pages, moved, layout))
-        self._record("backup_pgs", "set_gbps", sum(stored), runs, started)
+        self._record("backup_pgs", "set_gbps", sum(stored), runs.page_nbytes, started)
         return stored
 
     def batch_get_v1(
@@ -322,6 +447,10 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         """Load each page into the host pool; True per page whose blocks all arrived exact."""
         if not keys:
             return []
+        anchor = self._anchors()
+        if anchor is not None:  # a logical pool: the pages' anchors, nothing to write
+            _check_slots(len(keys), host_indices, int(self.mem_pool_host.page_size))
+            return self._load_anchors(anchor, keys)
         bridge, runs, layout = self._ready()
         pages, rows = [_page_key(key) for key in keys], runs.rows(len(keys), host_indices)
         started = time.perf_counter()
@@ -337,7 +466,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         else:
             moved = self._in_place_tier().load(layout.keys(pages), rows)
             loaded = bridge.call(self._settled(pages, moved, layout))
-        self._record("prefetch_pgs", "get_gbps", sum(loaded), runs, started)
+        self._record("prefetch_pgs", "get_gbps", sum(loaded), runs.page_nbytes, started)
         return loaded
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -368,7 +497,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         (and is not registered)."""
         name = _pool_name(host_pool_name)
         with self._lock:
-            kv_pool = self._runs.pool if self._runs is not None else None
+            kv_pool = self._kv_pool
         if name == PoolName.KV:
             if host_pool is not kv_pool:
                 raise ConfigError(
@@ -426,7 +555,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None, *, store: bool
     ) -> dict[str, list[bool]]:
         pools = self._extra_pools()
-        kv_page_size = self._ready()[1].page_size
+        kv_page_size = int(self.mem_pool_host.page_size)
         results: dict[str, list[bool]] = {}
         for transfer in transfers:
             name = _pool_name(transfer.name)
@@ -448,7 +577,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         return results
 
     def _extra_pools(self) -> ExtraPools:
-        self._ready()
+        self._started()
         with self._lock:
             if self._pools is None:
                 raise ConfigError("kvtier SGLang backend: called before SGLang registered its host pool")
@@ -467,6 +596,11 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             return True
         if values is None or len(values) != len(keys):
             raise InvalidArgumentError("batch_set needs one flat page tensor per key")
+        anchor = self._anchors()
+        if anchor is not None:  # a logical pool: its flat pages are empty, the pages' anchors stored
+            for value in values:
+                self._empty_page(value)
+            return all(self._store_anchors(anchor, keys))
         _, runs, _ = self._ready()
         pages = [_page_key(key) for key in keys]
         flats = [self._flat_page(value, runs) for value in values]
@@ -483,7 +617,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                 torch.index_select(flats[i], 0, runs_from, out=page)
 
         stored = self._staged_pages().store(pages, fill, self._settle_known)
-        self._record("backup_pgs", "set_gbps", sum(stored), runs, started)
+        self._record("backup_pgs", "set_gbps", sum(stored), runs.page_nbytes, started)
         return all(stored)
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
@@ -492,6 +626,13 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             return []
         if target_locations is None or len(target_locations) != len(keys):
             raise InvalidArgumentError("batch_get needs one flat page tensor per key to load into")
+        anchor = self._anchors()
+        if anchor is not None:  # a logical pool: each found page is its (empty) flat page
+            targets = list(target_locations)
+            for target in targets:
+                self._empty_page(target)
+            loaded = self._load_anchors(anchor, keys)
+            return [target if ok else None for target, ok in zip(targets, loaded)]
         _, runs, _ = self._ready()
         pages = [_page_key(key) for key in keys]
         targets = list(target_locations)
@@ -509,7 +650,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                 torch.index_select(page, 0, order, out=flats[i])
 
         loaded = self._staged_pages().load(pages, drain, self._settle_known)
-        self._record("prefetch_pgs", "get_gbps", sum(loaded), runs, started)
+        self._record("prefetch_pgs", "get_gbps", sum(loaded), runs.page_nbytes, started)
         return [target if ok else None for target, ok in zip(targets, loaded)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -529,6 +670,15 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
         if flat.numel() != runs.page_nbytes:
             raise InvalidArgumentError(f"a flat page is {runs.page_nbytes} bytes, got {flat.numel()}")
         return flat.view(runs.runs, runs.run_nbytes)
+
+    @staticmethod
+    def _empty_page(tensor: Any) -> None:
+        """Raises `InvalidArgumentError` unless `tensor` is a logical pool's flat page: no bytes."""
+        if not isinstance(tensor, torch.Tensor) or tensor.numel():
+            raise InvalidArgumentError(
+                "a logical KV pool's flat pages hold no bytes (torch.empty(0)), got "
+                f"{tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__}"
+            )
 
     def _generic_order(self) -> torch.Tensor | None:
         _, runs, _ = self._ready()
@@ -590,12 +740,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             backup_bandwidth=taken["set_gbps"],
         )
 
-    def _record(self, pages_name: str, rate_name: str, pages: int, runs: PageRuns, started: float) -> None:
+    def _record(self, pages_name: str, rate_name: str, pages: int, page_nbytes: int, started: float) -> None:
         seconds = time.perf_counter() - started
         with self._lock:
             self._metrics[pages_name].append(pages)
-            if pages and seconds > 0:
-                self._metrics[rate_name].append(pages * runs.page_nbytes / seconds / 1e9)
+            if pages and page_nbytes and seconds > 0:
+                self._metrics[rate_name].append(pages * page_nbytes / seconds / 1e9)
 
     def tier_stats(self) -> dict[str, Any]:
         """The kvtier tier's own stats (counters, backend figures): the tier the controller's path uses."""
@@ -611,7 +761,13 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             self._closed = True
             bridge, self._bridge = self._bridge, None
             tiers = [
-                t for t in (self._staged.tier if self._staged else None, self._in_place) if t is not None
+                t
+                for t in (
+                    self._staged.tier if self._staged else None,
+                    self._in_place,
+                    self._anchor.tier if self._anchor else None,
+                )
+                if t is not None
             ]
             tiers += self._pools.tiers() if self._pools is not None else []
         if bridge is not None:

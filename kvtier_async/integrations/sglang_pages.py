@@ -19,6 +19,11 @@ index order, which is not the run order in the layer-first layout (all K layers,
 V). `flat_order` learns from the pool which run each run-sized piece of a flat page is, so a
 flat page is stored as the same blocks as the v1 path stores, and either path finds and
 loads the other's pages.
+
+A **logical** KV pool (SGLang's `LogicalHostPool`, DeepSeek V4's KV anchor) holds no bytes: its
+pages are empty and the model's data lies in other pools. Each of its pages is stored as one
+anchor block (`ANCHOR`: 4096 bytes of a fixed content, `AnchorShape`), which says only that
+the page was stored, as HiCacheFile's zero-byte files do.
 """
 
 from __future__ import annotations
@@ -40,12 +45,28 @@ if TYPE_CHECKING:
     from ..tier import SecondaryTierManager as KVTier
     from .bridge import LoopThread
 
-__all__ = ["ALIGNMENT", "BlockLayout", "PageRuns", "PageShape", "PageSlots", "StagedPages", "flat_order"]
+__all__ = [
+    "ALIGNMENT",
+    "ANCHOR",
+    "AnchorShape",
+    "BlockLayout",
+    "PageRuns",
+    "PageShape",
+    "PageSlots",
+    "StagedPages",
+    "flat_order",
+]
 
 ALIGNMENT = 4096
 #: Page slots at most, however small the pages: a batch of SGLang's is far fewer.
 MAX_SLOTS = 1024
 RUN_NUMBER_BYTES = 2  # a block's key: the page key, then the run's number (big-endian)
+#: What a logical pool's page is stored as: the smallest block the tiers take, of a content that
+#: says what it is (checked on load, so no other block is ever read as an anchor).
+_ANCHOR_LINE = b"kvtier SGLang logical host pool page anchor v1\n"
+ANCHOR = torch.frombuffer(
+    bytearray((_ANCHOR_LINE * (ALIGNMENT // len(_ANCHOR_LINE) + 1))[:ALIGNMENT]), dtype=torch.uint8
+)
 
 
 class PageShape(Protocol):
@@ -54,6 +75,15 @@ class PageShape(Protocol):
     runs: int
     run_nbytes: int
     page_nbytes: int
+
+
+@dataclass
+class AnchorShape:
+    """A logical pool's page as page slots hold it: one anchor block (`ANCHOR`)."""
+
+    runs: int = 1
+    run_nbytes: int = ALIGNMENT
+    page_nbytes: int = ALIGNMENT
 
 
 class PageRuns:
