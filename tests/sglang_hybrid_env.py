@@ -27,7 +27,11 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
     StorageOperation,
 )
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, LogicalHostPool
+from sglang.srt.mem_cache.memory_pool_host import (
+    DeepSeekV4PagedHostPool,
+    DeepSeekV4StateHostPool,
+    LogicalHostPool,
+)
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
@@ -46,6 +50,7 @@ __all__ = [
     "dsa_pools",
     "dsv4_logical_pool",
     "dsv4_pool",
+    "dsv4_state_pool",
     "flat_bytes",
     "mamba_pool",
     "mha_pool",
@@ -136,6 +141,27 @@ def dsv4_logical_pool(layout: str = "page_first", *, pages: int = 16, page_size:
     `LogicalHostPool` of `pages` pages, with page slots and no bytes; the compressed pools
     (`dsv4_pool`) have as many pages of the same `page_size`, addressed by its slots."""
     return LogicalHostPool(pages * page_size, page_size, layout=layout)
+
+
+def dsv4_state_pool(
+    layout: str = "page_first", *, pages: int = 16, page_size: int = 64, ring: int = 4, layers: int = 2
+) -> DeepSeekV4StateHostPool:
+    """SGLang's DeepSeek V4 compressor-state host pool (`deepseek_v4_c4_state`): per page, each
+    layer's `ring` state slots (32 fp32 values each). Its device compressor pools are stand-ins of
+    their state tensors (only their shapes are read); the host pool is SGLang's own."""
+    device = [
+        SimpleNamespace(
+            kv_score_buffer=SimpleNamespace(kv_score=torch.zeros(pages * ring, 32, dtype=torch.float32)),
+            ring_size=ring,
+        )
+        for _ in range(layers)
+    ]
+    with host_memory_budget_scope(BUDGET):
+        pool = DeepSeekV4StateHostPool(
+            str(PoolName.DEEPSEEK_V4_C4_STATE), device, pages, page_size, layout=layout, pin_memory=False
+        )
+    randomize(pool.kv_buffer)
+    return pool
 
 
 def qsa_pools(layout: str = "page_first", *, layers: int = 3, tokens: int = 2048) -> tuple[Any, Any]:

@@ -3,7 +3,7 @@
 Five pool sets SGLang 0.5.23 assembles, from its own host pool classes built on the CPU: Mamba
 state + DSA indexer over MLA KV; SWA windows + draft pools registered late; DeepSeek V3.2's
 MLA + DSA indexer in every layout; MLA + Mamba at TP 2; DeepSeek V4's logical KV anchor with
-its compressed pools. Each is driven through SGLang's own
+its compressed, indexer, SWA and compressor-state pools. Each is driven through SGLang's own
 `HybridCacheController` storage methods (`sglang_hybrid_env.Controller`): backups, hit queries
 and prefetches, against our backend and `HiCacheFile` on the same calls. The hit answers
 must be HiCacheFile's, and each is also pinned to its value here, so agreement is never vacuous.
@@ -35,6 +35,7 @@ from sglang_hybrid_env import (
     dsa_pools,
     dsv4_logical_pool,
     dsv4_pool,
+    dsv4_state_pool,
     flat_bytes,
     mamba_pool,
     mha_pool,
@@ -890,15 +891,25 @@ def test_a_deepseek_v4_compressed_pool_answers_as_hicache_file_and_in_whole_bloc
 
 # -- pool set 5: DeepSeek V4 (a logical KV anchor + compressed pools) ---------------------------------
 C4, C4_INDEXER = PoolName.DEEPSEEK_V4_C4, PoolName.DEEPSEEK_V4_C4_INDEXER
+C4_STATE = PoolName.DEEPSEEK_V4_C4_STATE
 
 
 def dsv4_pools(layout: str) -> tuple[Any, dict[PoolName, Any]]:
-    """DeepSeek V4 as SGLang 0.5.23 assembles it: a `LogicalHostPool` KV anchor (no bytes) and the
-    C4 compressed KV and C4 indexer pools, with as many pages of the anchor's 64 tokens."""
+    """DeepSeek V4 as SGLang 0.5.23 assembles it: a `LogicalHostPool` KV anchor (no bytes); the C4
+    compressed KV and C4 indexer pools, with as many pages of the anchor's 64 tokens; the SWA
+    window and the C4 compressor state, in the SWA pool's slots (here also 64-token pages)."""
     kv = dsv4_logical_pool(layout, pages=16, page_size=P)
     c4 = dsv4_pool(layout, pages=16, page_size=P, item_bytes=16 * 584)
     indexer = dsv4_pool(layout, pages=16, page_size=P, item_bytes=16 * 132, name=C4_INDEXER)
-    return kv, {C4: c4, C4_INDEXER: indexer}
+    swa = dsv4_pool(layout, pages=16, page_size=P, item_bytes=P * 584, name=SWA)
+    state = dsv4_state_pool(layout, pages=16, page_size=P)
+    return kv, {C4: c4, C4_INDEXER: indexer, SWA: swa, C4_STATE: state}
+
+
+def window(page: int) -> dict[PoolName, tuple[torch.Tensor, int]]:
+    """The SWA window and the compressor state of one page, at SWA host page `page`."""
+    slots = torch.arange(page * P, (page + 1) * P)
+    return {SWA: (slots, 1), C4_STATE: (slots, 1)}
 
 
 @pytest.mark.parametrize(
@@ -916,9 +927,10 @@ def test_deepseek_v4_logical_kv_anchor_and_compressed_pools_answer_and_load_as_h
 ) -> None:
     """SGLang's DeepSeek V4 pool set (a logical KV pool: anchors only) through SGLang's controller:
     the hit answers HiCacheFile's (whole, mid-chain, partial, extended, never stored, with a
-    compressed indexer page missing in the middle), the compressed pools loaded byte-exact, a
-    page without its indexer page not loaded; ours on the v1 path, HiCacheFile, then ours
-    restarted over the same storage on the generic path (where the tier keeps it)."""
+    compressed indexer page missing in the middle and windows at node ends only), every pool
+    loaded byte-exact, a page without its indexer page not loaded; ours on the v1 path,
+    HiCacheFile, then ours restarted over the same storage on the generic path (where the tier
+    keeps it)."""
     kv, pools = dsv4_pools(layout)
     tokens, keys = chain(8, P, seed=41)
     derived = [C4, C4_INDEXER]
@@ -932,10 +944,10 @@ def test_deepseek_v4_logical_kv_anchor_and_compressed_pools_answer_and_load_as_h
             backend, c = tier.attach(kind, kv, pools, tmp_path)
         try:
             if kind != "restarted":
-                assert c.backup(keys, Span(range(0, 3), derived)) == 3 * P
+                assert c.backup(keys, Span(range(0, 3), derived, window(2))) == 3 * P
                 assert c.backup(keys, Span(range(3, 4), [C4])) == P  # page 3: no indexer page
-                assert c.backup(keys, Span(range(4, 6), derived)) == 2 * P
-            asked = c.hit_transfers({}, derived)
+                assert c.backup(keys, Span(range(4, 6), derived, window(5))) == 2 * P
+            asked = c.hit_transfers({SWA: 1, C4_STATE: 1}, derived)
             answers[kind] = [
                 c.query(tokens[: 6 * P], asked),
                 c.query(tokens[4 * P : 6 * P], asked, last_hash=keys[3], prefix_keys=keys[:4]),
@@ -950,23 +962,37 @@ def test_deepseek_v4_logical_kv_anchor_and_compressed_pools_answer_and_load_as_h
                 PoolTransfer(name=name, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)
                 for name in derived
             ]
-            assert c.prefetch(keys[:3], [dest, dest + 1, dest + 2], load) == (3 * P, {})
-            for pool in pools.values():
-                assert [flat_bytes(pool, (dest + i) * P) for i in range(3)] == [
-                    flat_bytes(pool, i * P) for i in range(3)
+            last = [
+                PoolTransfer(
+                    name=name,
+                    host_indices=torch.arange(dest * P, (dest + 1) * P),
+                    keys=["x"],
+                    hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                )
+                for name in (SWA, C4_STATE)
+            ]
+            loaded = c.prefetch(keys[:3], [dest, dest + 1, dest + 2], load + last)
+            assert loaded == (3 * P, {"swa": 1, "deepseek_v4_c4_state": 1})
+            for name in derived:
+                assert [flat_bytes(pools[name], (dest + i) * P) for i in range(3)] == [
+                    flat_bytes(pools[name], i * P) for i in range(3)
                 ]
+            for name in (SWA, C4_STATE):  # page 2's window, into page `dest`
+                assert flat_bytes(pools[name], dest * P) == flat_bytes(pools[name], 2 * P)
             assert c.prefetch(keys[3:4], [dest], load) == (0, {})  # its indexer page is missing
             assert c.prefetch(keys[4:6], [dest, dest + 1], load) == (2 * P, {})
         finally:
             if kind != "file":
                 backend.close()
     assert answers["ours"] == answers["file"] == answers.get("restarted", answers["ours"])
-    compressed = {"deepseek_v4_c4": 6, "deepseek_v4_c4_indexer": 3}
+    # windows at pages 2 and 5 (prefixes 3 and 6), the indexer on pages 0-2: prefix 3 only
+    whole = {"kv": 6, "swa": 6, "deepseek_v4_c4_state": 6, "deepseek_v4_c4": 6, "deepseek_v4_c4_indexer": 3}
+    names = ["kv", "swa", "deepseek_v4_c4_state", "deepseek_v4_c4", "deepseek_v4_c4_indexer"]
     assert answers["ours"] == [
-        (3 * P, [1, 2, 3], {"kv": 6, **compressed}),
-        (2 * P, [1, 2], {"kv": 2, "deepseek_v4_c4": 2, "deepseek_v4_c4_indexer": 2}),
-        (2 * P, [1, 2], {"kv": 2, "deepseek_v4_c4": 2, "deepseek_v4_c4_indexer": 2}),
-        (3 * P, [1, 2, 3], {"kv": 6, **compressed}),
+        (3 * P, [3], whole),
+        (2 * P, [2], dict.fromkeys(names, 2)),  # from page 4: the window at the chain's page 5
+        (0, [], {"kv": 2}),  # partial: no window ends there
+        (3 * P, [3], whole),
         (0, [], {"kv": 0}),
     ]
 
