@@ -25,6 +25,7 @@ if importlib.util.find_spec("torchvision") is None:
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
@@ -150,7 +151,8 @@ def backend_config(
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=isinstance(pool, MLATokenToKVPoolHost),
+        # SGLang: MLA KV, and DeepSeek V4's (a LogicalHostPool anchor), is one copy for every rank
+        is_mla_model=isinstance(pool, (MLATokenToKVPoolHost, LogicalHostPool)),
         enable_storage_metrics=True,
         is_page_first_layout=pool.layout == "page_first",
         model_name=model,

@@ -997,6 +997,43 @@ def test_deepseek_v4_logical_kv_anchor_and_compressed_pools_answer_and_load_as_h
     ]
 
 
+def test_deepseek_v4_at_tp2_is_one_copy_for_both_ranks_as_hicache_file(
+    fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """DeepSeek V4's KV is rank-replicated in SGLang (as MLA): rank 0 alone stores the anchors and
+    every pool; rank 1's backups store nothing, and it finds and loads rank 0's pages, as with
+    HiCacheFile."""
+    fs = {**fs, "refresh_interval_s": 0}  # rank 1 looks at rank 0's new pages on every miss
+    kv, pools = dsv4_pools("page_first")
+    tokens, keys = chain(4, P, seed=53)
+    derived = [C4, C4_INDEXER]
+    answers = {}
+    for kind in ("ours", "file"):
+        ranks = [attach(kind, fs, kv, pools, tmp_path, tp_rank=rank, tp_size=2) for rank in (0, 1)]
+        try:
+            (_, c0), (_, c1) = ranks
+            assert c0.backup(keys, Span(range(0, 4), derived, window(3))) == 4 * P
+            assert c1.backup(keys, Span(range(0, 4), derived, window(3))) == 0  # no writer
+            asked = c1.hit_transfers({SWA: 1, C4_STATE: 1}, derived)
+            answers[kind] = [c.query(tokens, asked) for c in (c0, c1)]
+            for pool in pools.values():
+                scrub(pool, [p * P for p in range(8, 12)])
+            load = [
+                PoolTransfer(name=name, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)
+                for name in derived
+            ]
+            assert c1.prefetch(keys, [8, 9, 10, 11], load) == (4 * P, {})
+            for name in derived:
+                assert [flat_bytes(pools[name], p * P) for p in range(8, 12)] == [
+                    flat_bytes(pools[name], p * P) for p in range(4)
+                ]
+        finally:
+            for backend, _ in ranks if kind == "ours" else []:
+                backend.close()
+    every = {"kv": 4, "swa": 4, "deepseek_v4_c4_state": 4, "deepseek_v4_c4": 4, "deepseek_v4_c4_indexer": 4}
+    assert answers["ours"] == answers["file"] == [(4 * P, [4], every)] * 2
+
+
 def test_a_logical_kv_pools_anchors_are_checked_and_never_kv_pages(
     fs: dict[str, Any], tmp_path: Path
 ) -> None:
