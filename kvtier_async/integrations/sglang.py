@@ -246,9 +246,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                 else self._staged_pages().tier
             )
         except BaseException:
-            with self._lock:
-                self._closed, self._bridge = True, None
-            bridge.stop()
+            self._abandon(bridge)
             raise
         with self._lock:
             self._main = main
@@ -276,6 +274,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
                 "flat page copies; with it, pages move in place in the host pool, which is faster"
             )
 
+    def _abandon(self, bridge: LoopThread) -> None:
+        """A registration that failed: the backend closed, its loop thread stopped."""
+        with self._lock:
+            self._closed, self._bridge = True, None
+        bridge.stop()
+
     def _register_anchor(self, pool: Any) -> None:
         """A logical KV pool (DeepSeek V4): its pages stored as anchors, in page slots of our own."""
         bridge, layout = LoopThread("kvtier-sglang"), BlockLayout(1, ALIGNMENT, packed=True)
@@ -286,9 +290,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang has 
             slots = PageSlots(AnchorShape(), layout, ANCHOR_SLOT_BYTES)
             tier = bridge.call(self._open(self._spec(layout.block_nbytes, slots.slots), slots.view))
         except BaseException:
-            with self._lock:
-                self._closed, self._bridge = True, None
-            bridge.stop()
+            self._abandon(bridge)
             raise
         with self._lock:
             self._anchor, self._main = StagedPages(tier, slots, bridge), tier
