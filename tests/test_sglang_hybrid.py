@@ -555,6 +555,134 @@ def test_an_mha_draft_pool_beside_mla_kv_is_stored_once_at_tp2(fs: dict[str, Any
     )
 
 
+# -- pool sets 2 to 4 from three threads at once --------------------------------------------------------
+def three_pool_sets(
+    name: str,
+) -> tuple[Any, dict[PoolName, Any], list[dict[PoolName, Any]], int, list[Span], Any]:
+    """Pool set `name`: (KV pool, extra pools per rank, page size, the two spans backed up, the
+    hit transfers of a query for a controller)."""
+    if name == "swa-draft":
+        page = 16
+        kv = mha_pool("page_first", tokens=1024)
+        pools = {
+            SWA: mha_pool("page_first", layers=2, tokens=512),
+            DRAFT: mha_pool("page_first", layers=1, tokens=1024),
+            DRAFT_SWA: mha_pool("page_first", layers=1, tokens=512),
+        }
+
+        def window(first: int) -> torch.Tensor:
+            return torch.arange(first * page, (first + 2) * page)
+
+        spans = [
+            Span(range(0, 4), [DRAFT], {SWA: (window(0), 2), DRAFT_SWA: (window(2), 2)}),
+            Span(range(4, 8), [DRAFT], {SWA: (window(4), 2), DRAFT_SWA: (window(6), 2)}),
+        ]
+        return kv, [pools], page, spans, lambda c: c.hit_transfers({SWA: 2, DRAFT_SWA: 2}, [DRAFT])
+    if name == "mla-dsa":
+        kv, indexer = dsa_pools(tokens=1024)
+        spans = [Span(range(0, 4), [INDEXER]), Span(range(4, 8), [INDEXER])]
+        return kv, [{INDEXER: indexer}], P, spans, lambda c: c.hit_transfers({}, [INDEXER])
+    kv = mla_pool("page_first", tokens=1024)  # "mla-mamba-tp2": a state per rank, one KV copy
+    spans = [
+        Span(range(0, 4), [], {MAMBA: (torch.tensor([0]), 1)}),
+        Span(range(4, 8), [], {MAMBA: (torch.tensor([1]), 1)}),
+    ]
+    return (
+        kv,
+        [{MAMBA: mamba_pool()}, {MAMBA: mamba_pool()}],
+        P,
+        spans,
+        lambda c: c.hit_transfers({MAMBA: 1}, []),
+    )
+
+
+@pytest.mark.parametrize("pool_set", ["swa-draft", "mla-dsa", "mla-mamba-tp2"])
+def test_the_other_pool_sets_from_three_threads_answer_as_hicache_file_and_close_leaves_no_thread(
+    pool_set: str, fs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Each rank's backup, hit query and prefetch threads at once (as SGLang's controller runs
+    them), for the SWA + draft, DeepSeek V3.2 and MLA + Mamba at TP 2 pool sets: every thread's
+    answers hold while the others run; then the answers are HiCacheFile's after the same backups,
+    the prefetched pages byte-exact, and closing leaves no thread of ours behind."""
+    before = set(threading.enumerate())
+    kv, rank_pools, page, spans, hits = three_pool_sets(pool_set)
+    tp = {"tp_rank": 0, "tp_size": 1} if len(rank_pools) == 1 else {"tp_size": 2}
+    fs = {**fs, "refresh_interval_s": 0}  # rank 1 looks for rank 0's KV copy on every miss
+    tokens, keys = chain(10, page, seed=17)
+    ranks = [
+        attach("ours", fs, kv, pools, tmp_path, **{**tp, "tp_rank": rank})
+        for rank, pools in enumerate(rank_pools)
+    ]
+    first_spans = threading.Barrier(len(ranks) + 2 * len(ranks))
+    errors: list[BaseException] = []
+    derived = [
+        PoolTransfer(name=name, indices_from_pool=KV, hit_policy=PoolHitPolicy.ALL_PAGES)
+        for name in (spans[0].derived or [])
+    ]
+
+    def backup(c: Controller) -> None:
+        c.backup(keys, spans[0])
+        first_spans.wait(timeout=120)
+        c.backup(keys, spans[1])
+
+    def query(c: Controller) -> None:
+        first_spans.wait(timeout=120)
+        for _ in range(10):
+            assert c.query(tokens[: 4 * page], hits(c))[0] == 4 * page
+
+    def prefetch(c: Controller, rank: int) -> None:
+        first_spans.wait(timeout=120)
+        dest = [8 + 4 * rank + i for i in range(4)]  # host pages never stored from
+        for _ in range(3):
+            assert c.prefetch(keys[:4], dest, derived) == (4 * page, {})
+
+    def guarded(work: Any, *args: Any) -> threading.Thread:
+        def run() -> None:
+            try:
+                work(*args)
+            except BaseException as exc:
+                errors.append(exc)
+                first_spans.abort()
+
+        return threading.Thread(target=run)
+
+    threads = [
+        thread
+        for rank, (_, c) in enumerate(ranks)
+        for thread in (guarded(backup, c), guarded(query, c), guarded(prefetch, c, rank))
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        files = [
+            attach("file", None, kv, pools, tmp_path, **{**tp, "tp_rank": rank})
+            for rank, pools in enumerate(rank_pools)
+        ]
+        for _, f in files:
+            for span in spans:
+                f.backup(keys, span)
+        for (_, c), (_, f) in zip(ranks, files):
+            assert [c.query(t, hits(c)) for t in (tokens[: 8 * page], tokens[: 4 * page], tokens)] == [
+                f.query(t, hits(f)) for t in (tokens[: 8 * page], tokens[: 4 * page], tokens)
+            ]
+        assert ranks[0][1].query(tokens[: 8 * page], hits(ranks[0][1]))[0] == 8 * page
+        for rank in range(len(ranks)):
+            for pool in [kv, *(rank_pools[rank][t.name] for t in derived)]:
+                assert [flat_bytes(pool, (8 + 4 * rank + i) * page) for i in range(4)] == [
+                    flat_bytes(pool, i * page) for i in range(4)
+                ]
+    finally:
+        for backend, _ in ranks:
+            backend.close()
+    started = [t for t in threading.enumerate() if t not in before]
+    for thread in started:  # worker threads leave once their queue is empty: wait for that
+        thread.join(timeout=30)
+    assert not [t.name for t in started if t.is_alive()]
+
+
 # -- layouts and bad input ------------------------------------------------------------------------------
 @pytest.mark.parametrize("blocks", ["one block", "several blocks"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
