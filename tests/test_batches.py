@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import pytest
 
@@ -87,8 +88,9 @@ async def test_batches_never_begun_give_their_pending_room_back(scheduler: Sched
     lane, hook = scheduler.lane("t", "store"), HeldHook()
     keys, blocks = work()
     assert lane.reserve_pending(BLOCKS) == BLOCKS
-    call = asyncio.ensure_future(
-        run_in_batches(
+
+    def stores() -> Coroutine[Any, Any, None]:  # a store of every block, batches of two
+        return run_in_batches(
             scheduler,
             lane,
             Priority.STORE,
@@ -100,7 +102,8 @@ async def test_batches_never_begun_give_their_pending_room_back(scheduler: Sched
             block_nbytes=1,
             pending=True,
         )
-    )
+
+    call = asyncio.ensure_future(stores())
     await settle()
     assert lane.pending_blocks == BLOCKS - 4  # the two admitted batches gave theirs back
     call.cancel()
@@ -112,18 +115,7 @@ async def test_batches_never_begun_give_their_pending_room_back(scheduler: Sched
     assert lane.reserve_pending(BLOCKS) == BLOCKS
     hook.fail_at, hook.begun = keys[0], []  # the first batch fails while the second is held
     with pytest.raises(ExceptionGroup) as failed:
-        await run_in_batches(
-            scheduler,
-            lane,
-            Priority.STORE,
-            hook,
-            keys,
-            blocks,
-            [False] * BLOCKS,
-            batch=2,
-            block_nbytes=1,
-            pending=True,
-        )
+        await stores()
     assert failed.group_contains(OSError)
     assert lane.pending_blocks == 0 and lane.inflight == 0
     assert hook.begun == [keys[0:2], keys[2:4]]
