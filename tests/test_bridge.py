@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,3 +165,38 @@ def test_finish_runs_the_last_work_then_stops_even_when_it_fails() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a stopped bridge drops the work without running it
         bridge.finish(where_am_i())
+
+
+def test_start_tier_makes_the_tier_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier's constructor reads files (its `secret_file`, a `password_file`): `start_tier`
+    runs it on a worker thread, so the loop every engine thread's calls wait on never waits
+    for a file. (The blocking-call detector cannot see these reads: the private-file path
+    opens with O_NONBLOCK, which a regular file ignores.)"""
+    import kvtier_async as kt
+    from kvtier_async import secret
+    from kvtier_async.integrations.bridge import start_tier
+
+    read_on: list[threading.Thread] = []
+    real_load = secret.load_private_value
+
+    def load_private_value(*args: Any, **kwargs: Any) -> Any:
+        read_on.append(threading.current_thread())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(secret, "load_private_value", load_private_value)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(secret.new_secret())
+    secret_file.chmod(0o600)
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=4, namespace="bridge-test")
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    config = {"type": "fs", "root": str(tmp_path / "root"), "secret_file": str(secret_file)}
+
+    async def scenario() -> bool:
+        tier = await start_tier(config, primary.view, spec)
+        try:
+            return bool(tier.stats()["sealed"])
+        finally:
+            await tier.aclose()
+
+    assert asyncio.run(scenario()) is True
+    assert read_on and threading.main_thread() not in read_on  # asyncio.run's loop: this thread

@@ -175,6 +175,8 @@ async def start_tier(
     (on the loop): a configuration that can never work (a root others may write, a bucket that
     does not exist) raises its `ConfigError`, the tier closed, so that the engine's start-up
     stops with the message; a fault that may pass (a server down, a full disk) is counted and
-    logged, and the tier's calls read as misses and failed stores until an opening succeeds."""
-    tier = SecondaryTierFactory.create_secondary_tier(config, primary_kv_view, spec)
+    logged, and the tier's calls read as misses and failed stores until an opening succeeds.
+    The tier is made on a worker thread: a constructor reads files (`secret_file`,
+    `password_file`), which the loop, shared by every engine thread's calls, must not wait for."""
+    tier = await asyncio.to_thread(SecondaryTierFactory.create_secondary_tier, config, primary_kv_view, spec)
     return await tier.__aenter__()  # closes the tier if it raises
