@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
 import sys
 import time
@@ -155,11 +156,35 @@ async def in_turn(
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
-    """Run on uvloop where available, as a serving frontend would, with the start-up heap frozen."""
+    """Run on uvloop where available, as a serving frontend would, with the start-up heap frozen.
+    SIGTERM cancels `main`, so that its `finally` blocks stop the servers it started (they would
+    outlive it otherwise), then the process exits with 143 as one killed by SIGTERM would."""
     freeze_startup_heap()
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main())  # type: ignore[arg-type]
-        return
-    uvloop.run(main())  # type: ignore[arg-type]
+        runner: Callable[[Any], Any] = asyncio.run
+    else:
+        runner = uvloop.run
+    terminated: list[bool] = []
+    try:
+        runner(_cancelled_by_sigterm(main, terminated))
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        sys.exit(128 + signal.SIGTERM)
+
+
+async def _cancelled_by_sigterm(main: Callable[[], Awaitable[None]], terminated: list[bool]) -> None:
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None  # a coroutine run by asyncio.run runs in a task
+
+    def terminate() -> None:
+        terminated.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, terminate)
+    try:
+        await main()
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
