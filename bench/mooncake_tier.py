@@ -2,6 +2,7 @@
 
     python bench/mooncake_tier.py --rounds 4                      # starts mooncake_master locally
     python bench/mooncake_tier.py --block-kib 1024 8192 --mib 64 --rounds 6
+    python bench/mooncake_tier.py --block-kib 1024 --rounds 2 --scaling   # and how the raw client scales
 
 Per block size and round: the tier stores a round's blocks from its primary tier and loads them
 back (one `store` / `load` call each, as an engine's request would), and the raw Mooncake client
@@ -25,9 +26,11 @@ import statistics
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from common import run
 
 import kvtier_async as kt
@@ -80,9 +83,9 @@ class Raw:
         self.memory.view[:nbytes] = os.urandom(nbytes)
         self.config = ReplicateConfig()
 
-    def put(self, names: list[str], size: int) -> None:
+    def put(self, names: list[str], size: int, at: int = 0) -> None:
         codes = self.client.batch_put_from(
-            names, [self.base + i * size for i in range(len(names))], [size] * len(names), self.config
+            names, [at + self.base + i * size for i in range(len(names))], [size] * len(names), self.config
         )
         if any(codes):
             raise RuntimeError(f"raw put: {codes[:4]}")
@@ -107,6 +110,11 @@ async def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="MiB stored and loaded per round and variant")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--master", default=None, help="HOST:PORT of a running master (default: start one)")
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="then the raw client's puts and gets, and XXH3 of the same bytes, on 1, 2 and 4 threads at once",
+    )
     args = parser.parse_args()
     master = None
     address = args.master
@@ -118,6 +126,10 @@ async def main() -> None:
     try:
         for kib in args.block_kib:
             await one_size(address, kib << 10, max(1, (args.mib << 20) // (kib << 10)), args.rounds)
+        if args.scaling:
+            await scaling(
+                address, args.block_kib[0] << 10, max(4, (args.mib << 20) // (args.block_kib[0] << 10))
+            )
     finally:
         if master is not None:
             await asyncio.to_thread(master.stop)
@@ -189,6 +201,56 @@ async def one_size(address: str, block_nbytes: int, count: int, rounds: int) -> 
             line += f"  vs {base}: store {ratios['store']:.2f}x load {ratios['load']:.2f}x"
             line += f"  loop lag p99 (worst call) {max(row['lag']):.2f} ms"
         print(line, flush=True)
+
+
+async def scaling(address: str, block_nbytes: int, count: int, rounds: int = 6) -> None:
+    """How the raw client's puts and gets, and XXH3 reading the same bytes, scale with threads
+    at once (the same blocks split between them): what bounds a tier that reads each block
+    once more than the raw client does (its check)."""
+    options = clients.ClientOptions(master=address, segment_bytes=SEGMENT_BYTES)
+    shared = await asyncio.to_thread(clients.acquire, options)
+    raw = await asyncio.to_thread(Raw, shared, count * block_nbytes)
+    nbytes = count * block_nbytes
+    speeds: dict[int, list[tuple[float, float, float]]] = {1: [], 2: [], 4: []}
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(rounds):
+                for threads in speeds:
+                    names = [f"scaling-{uuid.uuid4().hex[:8]}-{i}" for i in range(count)]
+                    per = count // threads
+                    starts = [k * per for k in range(threads)]
+
+                    def put(start: int, names: list[str] = names, per: int = per) -> None:
+                        raw.put(names[start : start + per], block_nbytes, start * block_nbytes)
+
+                    def get(start: int, names: list[str] = names, per: int = per) -> None:
+                        raw.get(names[start : start + per], block_nbytes, nbytes + start * block_nbytes)
+
+                    def check(start: int, per: int = per) -> None:
+                        view = raw.memory.view
+                        for i in range(start, start + per):
+                            xxhash.xxh3_64_intdigest(view[i * block_nbytes : (i + 1) * block_nbytes])
+
+                    took = []
+                    for step in (put, get, check):
+                        started = time.perf_counter()
+                        await _all(pool, step, starts)
+                        took.append(per * threads * block_nbytes / (time.perf_counter() - started) / 1e9)
+                    await asyncio.to_thread(raw.remove, names)
+                    speeds[threads].append((took[0], took[1], took[2]))
+    finally:
+        await asyncio.to_thread(raw.close)
+        await asyncio.to_thread(clients.release, options)
+    print(f"raw client and XXH3, threads at once, {block_nbytes >> 10} KiB blocks, GB/s (median of {rounds})")
+    for threads, row in speeds.items():
+        put_gbps, get_gbps, check_gbps = (statistics.median(r[i] for r in row) for i in range(3))
+        print(
+            f"  {threads} threads: put {put_gbps:.2f}  get {get_gbps:.2f}  XXH3 {check_gbps:.2f}", flush=True
+        )
+
+
+async def _all(pool: ThreadPoolExecutor, step: Any, starts: list[int]) -> None:
+    await asyncio.gather(*(asyncio.wrap_future(pool.submit(step, start)) for start in starts))
 
 
 if __name__ == "__main__":

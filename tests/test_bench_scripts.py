@@ -348,4 +348,5 @@ def test_run_all_describes_the_machine() -> None:
 
 @servers.needs_mooncake
 def test_mooncake_tier_bench_runs() -> None:
-    bench("mooncake_tier.py", "--block-kib", "64", "--mib", "1", "--rounds", "2")
+    out = bench("mooncake_tier.py", "--block-kib", "64", "--mib", "1", "--rounds", "2", "--scaling")
+    assert "tier    store" in out and "sealed  store" in out and "4 threads: put" in out
