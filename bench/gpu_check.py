@@ -324,18 +324,19 @@ async def check_overlap(device: torch.device) -> None:
     block, blocks = 2 << 20, 256  # 512 MiB
     layers = [torch.randint(0, 256, (blocks, block // 4), dtype=torch.uint8, device=device) for _ in range(4)]
     copy_intervals: list[tuple[Any, Any]] = []
-    original_start = copy_engine._StreamCopies.start
+    original_queue = copy_engine._StreamCopies._queue
 
-    async def timed_start(self: Any, direction: str, *args: Any) -> tuple[Any, int]:
+    def timed_queue(self: Any, direction: str, *args: Any) -> tuple[Any, int]:
+        # On the engine's submit thread, in its stream's order: the chunk's copies lie between.
         begin = torch.cuda.Event(enable_timing=True)
         begin.record(self.streams[direction])
-        done, copies = await original_start(self, direction, *args)
+        done, copies = original_queue(self, direction, *args)
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.streams[direction])
         copy_intervals.append((begin, end))
         return done, copies
 
-    copy_engine._StreamCopies.start = timed_start  # type: ignore[method-assign]
+    copy_engine._StreamCopies._queue = timed_queue  # type: ignore[method-assign]
     try:
         # The tier as fast as the device-to-host copy: measured first, copy only.
         spec = kt.OffloadingSpec(block_nbytes=block, num_cpu_blocks=blocks, namespace="gpu-check-overlap")
@@ -367,7 +368,7 @@ async def check_overlap(device: torch.device) -> None:
             for b, e in copy_intervals
         ]
     finally:
-        copy_engine._StreamCopies.start = original_start  # type: ignore[method-assign]
+        copy_engine._StreamCopies._queue = original_queue  # type: ignore[method-assign]
     copying = sum(e - b for b, e in gpu)
     writing = sum(e - b for b, e in ThrottledTier.intervals)
     both = sum(max(0.0, min(e1, e2) - max(b1, b2)) for b1, e1 in gpu for b2, e2 in ThrottledTier.intervals)

@@ -9,23 +9,27 @@ A call's blocks move in chunks of at most `staging_blocks`, at most `CHUNKS_IN_F
 queued at once per direction (`_run_chunks`): a chunk's buffers are used again only once its
 copy has finished, and a call returns, or raises (cancellation included), only once every
 copy it queued has finished, so the caller may release its slots and device blocks at once.
-What differs between a GPU and a CPU is behind one small interface (`start` a chunk's copy,
-`finish` it, `drain` what a `start` that raised part-way had queued), so that this logic is
-the same code, tested on CPU:
+What differs between a GPU and a CPU is behind one small interface (`wait_for` a call's mark,
+`start` a chunk's copy, `finish` it, `drain` what a `start` that raised part-way had queued),
+so that this logic is the same code, tested on CPU:
 
 - CUDA (device tensors and a pinned primary tier), `_StreamCopies`: each direction has a
-  stream, and per chunk in flight a device staging buffer and an index buffer, all made once
-  when the cache opens (`open`), under the cache's device, and counted in `stats()`. Device
-  to host: one `index_select` per layer gathers the chunk's blocks into staging (bytes past
-  `block_nbytes` of a staging row stay zero, so a slot's padding is zeros, never old device
-  memory), then one `cudaMemcpyAsync` per run of neighbouring slots. Host to device mirrors
-  it with `index_copy_`. What a copy must wait for is an event recorded when the call
-  started (`mark`): on the producer's stream for a store (`after=`, default: the calling
-  thread's current stream), on the consumer's for a load (`consumer=`: the blocks' earlier
-  readers); the copy stream waits for it once, and nothing else waits for the copy: the call
-  returns after it completed. Completion is learned by a waiter thread blocking on the
-  chunk's event (a blocking-sync event: it sleeps), then waking the loop; the loop thread
-  never synchronizes.
+  stream of its own, made through the CUDA driver so that no other code is ever handed it
+  (`_DriverStreams`), and per chunk in flight a device staging buffer and an index buffer, all
+  made once when the cache opens (`open`), under the cache's device, and counted in `stats()`.
+  Device to host: one `index_select` per layer gathers the chunk's blocks into staging (bytes
+  past `block_nbytes` of a staging row stay zero, so a slot's padding is zeros, never old
+  device memory), then one `cudaMemcpyAsync` per run of neighbouring slots (the chunk is put
+  in slot order first). Host to device mirrors it with `index_copy_`. Nothing is launched from
+  the event loop: one submit thread queues every chunk (a launch blocks while the device's
+  queue is full). What a call must wait for is an event recorded when it was called (`mark`):
+  on the producer's stream for a store (`after=`, default: the calling thread's current
+  stream), on the consumer's for a load (`consumer=`: the blocks' earlier readers). A mark
+  waiter thread waits for it on the host before the call takes a buffer, so a slow producer
+  holds that call only, never the copy stream (where it would hold every later chunk of every
+  call); nothing else waits for the copy: the call returns after it completed. Completion is
+  learned by a waiter thread blocking on the chunk's event (a blocking-sync event: it sleeps),
+  then waking the loop; the loop thread never synchronizes.
 - Elsewhere (CPU tensors standing in for device memory, or an unpinned primary tier),
   `_ThreadCopies`: each chunk's copies run on a worker thread, which releases the GIL.
   CPU-to-CPU copies go through numpy, on the worker alone: torch would split each large copy
@@ -37,8 +41,10 @@ the same code, tested on CPU:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import Any, Protocol
@@ -57,6 +63,8 @@ CHUNKS_IN_FLIGHT = 2
 #: Bytes of one chunk (its device staging buffer): large enough that a copy's fixed costs
 #: vanish, small enough that two per direction cost the engine little device memory.
 STAGING_TARGET_BYTES = 16 << 20
+#: Calls of a GPU cache waiting for their marks at once (each on a thread; more wait in turn).
+MARK_WAITERS = 4
 
 TO_HOST = "to_host"
 TO_DEVICE = "to_device"
@@ -155,12 +163,14 @@ class CopyEngine:
             )
         else:
             backend = _ThreadCopies(self.device, self._parts, self._primary, self._workers)
-        if self._backend is None:  # another call may have opened it meanwhile
-            self._backend = backend
-            self._free = {d: asyncio.Queue() for d in (TO_HOST, TO_DEVICE)}
-            for queue in self._free.values():
-                for buffer in range(CHUNKS_IN_FLIGHT):
-                    queue.put_nowait(buffer)
+        if self._backend is not None:  # another call opened it meanwhile: ours goes
+            backend.close()  # (its streams are the driver's: nothing else would free them)
+            return
+        self._backend = backend
+        self._free = {d: asyncio.Queue() for d in (TO_HOST, TO_DEVICE)}
+        for queue in self._free.values():
+            for buffer in range(CHUNKS_IN_FLIGHT):
+                queue.put_nowait(buffer)
 
     # -- what a copy waits for -----------------------------------------------------------------
     def mark(self, on: Any, what: str) -> Any:
@@ -169,7 +179,9 @@ class CopyEngine:
         `on` is a `torch.cuda.Event` (used as it is), a `torch.cuda.Stream` (an event recorded
         on it now) or None (an event recorded now on the calling thread's current stream of
         the cache's device). With blocks in host memory there is nothing to wait for: None,
-        and `on` must be None too.
+        and `on` must be None too. A thread waits for the mark (`_Copies.wait_for`): the
+        events made here are blocking-sync, so it sleeps; an event the caller made is waited
+        for as it was made (made with `blocking=True`, the thread sleeps too).
         """
         if self.device.type != "cuda":
             if on is not None:
@@ -185,7 +197,7 @@ class CopyEngine:
             return on
         with torch.cuda.device(self.device):
             stream = on if on is not None else torch.cuda.current_stream(self.device)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             event.record(stream)
         return event
 
@@ -209,6 +221,10 @@ class CopyEngine:
         backend, free = self._backend, self._free[direction]
         if backend is None:
             raise RuntimeError("copy engine: not opened")
+        if mark is not None:
+            # Before taking a buffer, on the host: a call whose producer is slow holds nothing
+            # the other calls' chunks need, neither a buffer nor a place in a stream's order.
+            await backend.wait_for(mark)
         finishing: list[asyncio.Future[None]] = []
         step = self.staging_blocks
         try:
@@ -216,7 +232,7 @@ class CopyEngine:
                 buffer = await free.get()
                 try:
                     handle, copies = await backend.start(
-                        direction, buffer, sources[start : start + step], targets[start : start + step], mark
+                        direction, buffer, sources[start : start + step], targets[start : start + step]
                     )
                 except BaseException:
                     # It may have queued part of the chunk before it raised: the buffer, and
@@ -225,7 +241,6 @@ class CopyEngine:
                     drained.add_done_callback(partial(_give_back, free, buffer))
                     finishing.append(drained)
                     raise
-                mark = None  # the stream waits once: later chunks follow in its order
                 self._most_copies[direction] = max(self._most_copies[direction], copies)
                 self.counters[f"{direction}_chunks"] += 1
                 self.counters[f"{direction}_memcpy_calls"] += copies
@@ -268,15 +283,19 @@ class CopyEngine:
 
 
 class _Copies(Protocol):
-    """What differs between a GPU and a CPU: queueing one chunk's copy, and learning it ended."""
+    """What differs between a GPU and a CPU: waiting for a call's mark, queueing one chunk's
+    copy, and learning it ended."""
 
     nbytes: int
 
+    async def wait_for(self, mark: Any) -> None:
+        """Wait, off the event loop, until the work a mark (`CopyEngine.mark`) stands for is done."""
+
     async def start(
-        self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: Any
+        self, direction: str, buffer: int, sources: list[int], targets: list[int]
     ) -> tuple[Any, int]:
-        """Queue one chunk's copy through `buffer` (idle: its last copy finished), after `mark`;
-        (a handle for `finish`, the number of memory copies it took)."""
+        """Queue one chunk's copy through `buffer` (idle: its last copy finished); (a handle for
+        `finish`, the number of memory copies it took)."""
 
     def finish(self, handle: Any) -> Awaitable[None]:
         """Wait for a queued chunk's copy to end (raising its error)."""
@@ -289,7 +308,8 @@ class _Copies(Protocol):
 
 
 class _StreamCopies:
-    """Chunks through device staging buffers on one CUDA stream per direction."""
+    """Chunks through device staging buffers on one CUDA stream per direction, queued by one
+    submit thread; a waiter thread learns when each chunk ended."""
 
     def __init__(
         self, device: torch.device, parts: list[Part], host: torch.Tensor, staging_blocks: int
@@ -299,8 +319,8 @@ class _StreamCopies:
         self.parts = parts
         self.host = host
         stride = host.shape[1]
+        pinned = device.type == "cuda"  # (a CPU device only under the tests' stand-in for CUDA)
         with torch.cuda.device(device):
-            self.streams = {d: torch.cuda.Stream(device) for d in (TO_HOST, TO_DEVICE)}  # type: ignore[no-untyped-call]
             # Zeroed once: gathers write each row's first block_nbytes only, so a slot's padding
             # that comes from here is zeros.
             self.staging = {
@@ -312,7 +332,7 @@ class _StreamCopies:
             }
             self.index_host = {
                 d: [
-                    torch.empty(staging_blocks, dtype=torch.long, pin_memory=True)
+                    torch.empty(staging_blocks, dtype=torch.long, pin_memory=pinned)
                     for _ in range(CHUNKS_IN_FLIGHT)
                 ]
                 for d in (TO_HOST, TO_DEVICE)
@@ -325,23 +345,52 @@ class _StreamCopies:
                 for d in (TO_HOST, TO_DEVICE)
             }
             torch.cuda.current_stream(device).synchronize()  # the zeros are there before any use
+            self._driver = _DriverStreams(device)
+            self._handles: dict[str, int] = {}
+            try:
+                for d in (TO_HOST, TO_DEVICE):
+                    self._handles[d] = self._driver.create()
+                self.streams = {
+                    d: torch.cuda.ExternalStream(handle, device=device)  # type: ignore[no-untyped-call]
+                    for d, handle in self._handles.items()
+                }
+            except BaseException:
+                self._destroy_streams()
+                raise
         self.nbytes = 2 * CHUNKS_IN_FLIGHT * staging_blocks * (stride + 2 * 8)
+        # One thread queues every chunk, in call order: no launch from the event loop (a launch
+        # blocks while the device's queue is full), and `drain` follows what was queued before.
+        self._submit = WorkerThreads(1, "kvtier-cuda-submit")
         self._waiters = WorkerThreads(2 * CHUNKS_IN_FLIGHT, "kvtier-cuda-wait")
+        # Each call waits for its producer (or consumer) here, on the host, before its first
+        # chunk is queued: a copy stream that waited on the device would hold every later chunk
+        # of every other call behind that one call's producer.
+        self._mark_waiters = WorkerThreads(MARK_WAITERS, "kvtier-cuda-mark")
+
+    async def wait_for(self, mark: Any) -> None:
+        await self._mark_waiters.run(self._wait, mark)
 
     async def start(
-        self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: Any
+        self, direction: str, buffer: int, sources: list[int], targets: list[int]
     ) -> tuple[Any, int]:
-        n = len(sources)
+        return await self._submit.run(self._queue, direction, buffer, sources, targets)
+
+    def _queue(self, direction: str, buffer: int, sources: list[int], targets: list[int]) -> tuple[Any, int]:
+        """On the submit thread: queue one chunk's copy on the direction's stream."""
+        device_ids, slots = (sources, targets) if direction == TO_HOST else (targets, sources)
+        # In slot order, so that neighbouring slots make one run (one copy) whatever order the
+        # caller listed them in; staging row i holds the i-th pair either way.
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        device_ids = [device_ids[i] for i in order]
+        slots = [slots[i] for i in order]
+        n = len(slots)
         rows = self.staging[direction][buffer][:n]
         index_host = self.index_host[direction][buffer][:n]
         index_device = self.index_device[direction][buffer][:n]
         stream = self.streams[direction]
-        device_ids, slots = (sources, targets) if direction == TO_HOST else (targets, sources)
         index_host.copy_(torch.as_tensor(device_ids, dtype=torch.long))  # idle buffer: host side
         copies = 1  # the index upload
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if mark is not None:
-                stream.wait_event(mark)
             index_device.copy_(index_host, non_blocking=True)
             if direction == TO_HOST:
                 for part, offset, width in self.parts:
@@ -355,25 +404,111 @@ class _StreamCopies:
                     copies += 1
                 for part, offset, width in self.parts:
                     part.index_copy_(0, index_device, rows[:, offset : offset + width])
-            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # its waiter sleeps
-            done.record(stream)
-        return done, copies
+        return self._record_end(direction), copies
+
+    def _record_end(self, direction: str) -> Any:
+        """An event after all that the direction's stream holds (its waiter sleeps)."""
+        with torch.cuda.device(self.device):
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            done.record(self.streams[direction])
+        return done
 
     def finish(self, handle: Any) -> Awaitable[None]:
         return self._waiters.run(self._wait, handle)
 
     async def drain(self, direction: str) -> None:
-        with torch.cuda.device(self.device):
-            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-            done.record(self.streams[direction])  # after all that the stream holds
-        await self.finish(done)
+        # Through the submit thread: after whatever it had queued when `start` raised.
+        await self.finish(await self._submit.run(self._record_end, direction))
 
     def _wait(self, event: Any) -> None:
         with torch.cuda.device(self.device):
             event.synchronize()
 
     def close(self) -> None:
+        """Once every copy queued has ended (the cache's calls have all returned)."""
+        self._submit.close()
         self._waiters.close()
+        self._mark_waiters.close()
+        self._destroy_streams()
+
+    def _destroy_streams(self) -> None:
+        self.streams = {}
+        try:
+            while self._handles:
+                self._driver.destroy(self._handles.popitem()[1])
+        finally:
+            self._driver.release()
+
+
+class _DriverStreams:
+    """Copy streams made through the CUDA driver, so that no other code is ever handed them.
+
+    `torch.cuda.Stream(device)` takes the next of a fixed pool of streams per device, in turn
+    (torch/cuda/streams.py: a stream without `stream_ptr` or `stream_id` comes from the pool):
+    once a process has asked for that many, our copy stream may be the model's own, and copies
+    queue behind its kernels. And `torch.cuda.cudart()` offers only `cudaStreamCreate`, whose
+    streams synchronize with the legacy default stream (where many models run). So: a
+    non-blocking stream of the device's primary context (the one PyTorch's runtime calls use,
+    retained here so that it outlives our streams), at the default priority, which is the
+    lowest (a gather never preempts the model's kernels), wrapped by `torch.cuda.ExternalStream`,
+    which leaves its life to us: destroyed at `close`. cuStreamDestroy returns at once and frees
+    the stream once its queued work has ended.
+    """
+
+    NON_BLOCKING = 0x1  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream
+
+    def __init__(self, device: torch.device) -> None:
+        self.lib = _cuda_driver()
+        self.device = ctypes.c_int()
+        self._check(
+            self.lib.cuDeviceGet(ctypes.byref(self.device), ctypes.c_int(device.index or 0)), "cuDeviceGet"
+        )
+        self.context = ctypes.c_void_p()
+        self._check(
+            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), self.device),
+            "cuDevicePrimaryCtxRetain",
+        )
+        self._retained = True
+
+    def create(self) -> int:
+        handle = ctypes.c_void_p()
+        with self._current():
+            self._check(
+                self.lib.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(self.NON_BLOCKING)),
+                "cuStreamCreate",
+            )
+        if not handle.value:
+            raise RuntimeError("cuStreamCreate returned no stream")
+        return handle.value
+
+    def destroy(self, handle: int) -> None:
+        with self._current():
+            self._check(self.lib.cuStreamDestroy_v2(ctypes.c_void_p(handle)), "cuStreamDestroy")
+
+    def release(self) -> None:
+        if self._retained:
+            self._retained = False
+            self._check(self.lib.cuDevicePrimaryCtxRelease_v2(self.device), "cuDevicePrimaryCtxRelease")
+
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        """The primary context current on this thread for the call (the driver's streams belong
+        to the current context; the thread's own, if any, is restored after)."""
+        self._check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+
+    @staticmethod
+    def _check(result: int, call: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{call} failed: CUresult {result}")
+
+
+def _cuda_driver() -> Any:
+    """The CUDA driver library (the one every CUDA process has loaded), through ctypes."""
+    return ctypes.CDLL("libcuda.so.1")
 
 
 class _ThreadCopies:
@@ -394,13 +529,26 @@ class _ThreadCopies:
             if parts[0][0].device.type == "cpu"
             else None
         )
+        # Not the copy threads: a call whose producer is slow would hold one while others'
+        # copies wait. Started only if a mark ever comes (device blocks, host memory unpinned).
+        self.mark_waiters = WorkerThreads(MARK_WAITERS, "kvtier-copy-mark")
+
+    async def wait_for(self, mark: Any) -> None:
+        """Device blocks, host memory not pinned: their producer's (or readers') work ends first."""
+        await self.mark_waiters.run(self._wait, mark)
+
+    def _wait(self, mark: Any) -> None:
+        # Under the cache's device: waiting from a thread with none set would make this process
+        # a context on the current device (0) on the way.
+        with torch.cuda.device(self.device):
+            mark.synchronize()
 
     async def start(
-        self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: Any
+        self, direction: str, buffer: int, sources: list[int], targets: list[int]
     ) -> tuple[Any, int]:
         device_ids, slots = (sources, targets) if direction == TO_HOST else (targets, sources)
         runs = _paired_runs(device_ids, slots)
-        future = await self.workers.submit(self._copy, direction, runs, mark)
+        future = await self.workers.submit(self._copy, direction, runs)
         return future, len(runs) * len(self.parts)
 
     def finish(self, handle: Future[None]) -> Awaitable[None]:
@@ -410,12 +558,7 @@ class _ThreadCopies:
         """Nothing to wait for: `start` hands its chunk to a worker as its last step, so one
         that raised handed nothing over."""
 
-    def _copy(self, direction: str, runs: list[tuple[int, int, int]], mark: Any) -> None:
-        if mark is not None:  # device blocks, host memory not pinned: wait for their producer
-            # Under the cache's device: waiting from a thread with none set would make this
-            # process a context on the current device (0) on the way.
-            with torch.cuda.device(self.device):
-                mark.synchronize()
+    def _copy(self, direction: str, runs: list[tuple[int, int, int]]) -> None:
         host, parts, copy = self._host_side()
         block_nbytes = self.primary.block_nbytes
         for device_first, slot_first, count in runs:
@@ -441,7 +584,7 @@ class _ThreadCopies:
         return self.primary.buffer, self.parts, torch.Tensor.copy_
 
     def close(self) -> None:
-        pass
+        self.mark_waiters.close()
 
 
 async def _all_ended(finishing: list[asyncio.Future[None]]) -> list[Any]:

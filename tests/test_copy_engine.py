@@ -9,12 +9,13 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
 import kvtier_async as kt
+from kvtier_async import copy_engine
 from kvtier_async.copy_engine import CHUNKS_IN_FLIGHT, CopyEngine, _paired_runs, _slot_runs
 from kvtier_async.integrations.bridge import LoopThread
 
@@ -79,17 +80,24 @@ class GatedCopies:
     def __init__(self, fail_at: int | None = None, part_way: bool = False) -> None:
         self.fail_at = fail_at
         self.part_way = part_way
-        self.started: list[tuple[str, int, list[int], object]] = []
+        self.started: list[tuple[str, int, list[int]]] = []
         self.ends: list[asyncio.Future[None]] = []
         self.running = 0
         self.most_running = 0
+        #: (mark, its wait ends), per call of `wait_for`.
+        self.marks: list[tuple[object, asyncio.Future[None]]] = []
 
-    async def start(self, direction: str, buffer: int, sources: list[int], targets: list[int], mark: object):
+    async def wait_for(self, mark: object) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self.marks.append((mark, done))
+        await done
+
+    async def start(self, direction: str, buffer: int, sources: list[int], targets: list[int]):
         if self.fail_at is not None and len(self.started) == self.fail_at:
             if self.part_way:  # what was queued before the failure runs on, like a stream's copies
                 self.ends.append(asyncio.get_running_loop().create_future())
             raise RuntimeError("queueing failed")
-        self.started.append((direction, buffer, sources, mark))
+        self.started.append((direction, buffer, sources))
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         end = asyncio.get_running_loop().create_future()
@@ -114,7 +122,12 @@ def gated_engine(blocks: int, backend: GatedCopies) -> CopyEngine:
     spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=blocks)
     engine = CopyEngine(layers, kt.PrimaryTier(spec, pin_memory=False), threads=1)
     engine.staging_blocks = 2  # chunks of two blocks
-    engine._backend = backend
+    return with_backend(engine, backend)
+
+
+def with_backend(engine: CopyEngine, backend: object) -> CopyEngine:
+    """`engine`, opened with `backend` (what `CopyEngine.open` would do with its own)."""
+    engine._backend = backend  # type: ignore[assignment]
     engine._free = {d: asyncio.Queue() for d in ("to_host", "to_device")}
     for queue in engine._free.values():
         for buffer in range(CHUNKS_IN_FLIGHT):
@@ -133,6 +146,9 @@ async def test_chunks_are_bounded_in_flight_and_wait_once_for_the_mark() -> None
     engine = gated_engine(16, backend)
     mark = object()
     task = asyncio.ensure_future(engine.to_host(list(range(10)), list(range(10)), mark))
+    await settle()
+    assert [m for m, _ in backend.marks] == [mark] and backend.started == []  # nothing before it
+    backend.marks[0][1].set_result(None)
     while not task.done():  # end the copies one at a time, oldest first
         await settle()
         pending = [end for end in backend.ends if not end.done()]
@@ -141,10 +157,39 @@ async def test_chunks_are_bounded_in_flight_and_wait_once_for_the_mark() -> None
     await task
     assert [s[2] for s in backend.started] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     assert backend.most_running <= CHUNKS_IN_FLIGHT
-    assert [s[3] for s in backend.started] == [mark, None, None, None, None]  # waited for once
+    assert len(backend.marks) == 1  # waited for once
     buffers = [s[1] for s in backend.started]
     assert all(a != b for a, b in itertools.pairwise(buffers))  # never the buffer just queued
     assert engine.stats()["chunks_to_host"] == 5
+
+
+@pytest.mark.asyncio
+async def test_a_call_waiting_for_its_mark_holds_nothing_other_calls_need() -> None:
+    """Issue 68, defect 3: a store whose producer is slow must not hold the others' chunks. Its
+    mark is waited for before it takes a buffer (so it holds none), and not by the copy stream
+    (where every later chunk of every call would queue behind it): another call's chunks run
+    meanwhile."""
+    backend = GatedCopies()
+    engine = gated_engine(16, backend)
+    slow = asyncio.ensure_future(engine.to_host([0, 1, 2, 3], [0, 1, 2, 3], "slow producer"))
+    await settle()
+    assert engine._free["to_host"].qsize() == CHUNKS_IN_FLIGHT  # waiting, it holds no buffer
+    other = asyncio.ensure_future(engine.to_host([4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9]))
+    while not other.done():
+        await settle()
+        for end in backend.ends:
+            if not end.done():
+                end.set_result(None)
+    await other
+    assert [s[2] for s in backend.started] == [[4, 5], [6, 7], [8, 9]] and not slow.done()
+    backend.marks[0][1].set_result(None)  # the producer is done: now the slow call's chunks go
+    while not slow.done():
+        await settle()
+        for end in backend.ends:
+            if not end.done():
+                end.set_result(None)
+    await slow
+    assert [s[2] for s in backend.started][3:] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.asyncio
@@ -402,3 +447,161 @@ async def test_a_cpu_store_zeroes_the_slot_padding_whatever_was_there() -> None:
         assert not row[904:].any(), f"slot {slot}: stale padding would be stored"
     assert (primary.buffer[1] == 0xA5).all()  # a slot no store touched keeps its bytes
     engine.close()
+
+
+class FakeDriver:
+    """Stands in for libcuda (`_DriverStreams`): streams are numbers; it notes each call with the
+    contexts current then, and which streams are alive."""
+
+    CONTEXT = 0xC0
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, list[int]]] = []
+        self.current: list[int] = []  # the calling thread's context stack
+        self.alive: set[int] = set()
+        self.retained = 0
+        self.made = 0x1000
+
+    def cuDeviceGet(self, out: Any, ordinal: Any) -> int:
+        out._obj.value = ordinal.value
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, out: Any, device: Any) -> int:
+        out._obj.value = self.CONTEXT
+        self.retained += 1
+        return 0
+
+    def cuDevicePrimaryCtxRelease_v2(self, device: Any) -> int:
+        self.retained -= 1
+        return 0
+
+    def cuCtxPushCurrent_v2(self, context: Any) -> int:
+        self.current.append(context.value)
+        return 0
+
+    def cuCtxPopCurrent_v2(self, out: Any) -> int:
+        out._obj.value = self.current.pop()
+        return 0
+
+    def cuStreamCreate(self, out: Any, flags: Any) -> int:
+        self.made += 16
+        out._obj.value = self.made
+        self.alive.add(self.made)
+        self.calls.append(("create", flags.value, list(self.current)))
+        return 0
+
+    def cuStreamDestroy_v2(self, stream: Any) -> int:
+        self.alive.discard(stream.value)
+        self.calls.append(("destroy", stream.value, list(self.current)))
+        return 0
+
+
+class StandInCuda:
+    """What `_StreamCopies` uses of `torch.cuda` and the driver, on a machine without CUDA (CPU
+    tensors, copies that end when they are made): notes, in order, on which thread each stream
+    was entered (where the copies are launched), each event recorded and each mark waited for."""
+
+    def __init__(self) -> None:
+        self.driver = FakeDriver()
+        self.log: list[tuple[str, str]] = []
+
+    def note(self, what: str) -> None:
+        self.log.append((what, threading.current_thread().name))
+
+    def threads(self, what: str) -> set[str]:
+        return {thread.rsplit("_", 1)[0] for w, thread in self.log if w == what}
+
+
+class StandInStream:
+    def __init__(self, handle: int, device: object = None) -> None:
+        self.handle = handle
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
+    cuda = StandInCuda()
+
+    class Event:
+        def __init__(self, **kwargs: object) -> None:
+            self.blocking = kwargs.get("blocking", False)
+
+        def record(self, stream: object) -> None:
+            cuda.note("record")
+
+        def synchronize(self) -> None:
+            cuda.note("mark" if getattr(self, "is_mark", False) else "end")
+
+    @contextlib.contextmanager
+    def stream(stream: StandInStream) -> Iterator[None]:
+        cuda.note("launch")
+        yield
+
+    monkeypatch.setattr(copy_engine, "_cuda_driver", lambda: cuda.driver)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", StandInStream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: StandInStream(0))
+    return cuda
+
+
+@pytest.mark.asyncio
+async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own(
+    stand_in_cuda: StandInCuda,
+) -> None:
+    """`_StreamCopies` (the GPU path) run on CPU tensors under a stand-in for CUDA: scattered blocks
+    in many chunks (each buffer used again) byte-exact both ways, slot padding zeroed whatever
+    was there, other blocks untouched, neighbouring slots one copy whatever their order; every
+    copy launched on its submit thread, never the loop's; the mark waited for on a thread of its
+    own before anything is queued; its two streams made by the driver (non-blocking, in the
+    device's primary context), and destroyed, with the context released, at close."""
+    layers = [torch.randint(0, 256, (24, width), dtype=torch.uint8) for width in (300, 604)]
+    original = [layer.clone() for layer in layers]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=16)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    primary.buffer.fill_(0xA5)  # what earlier use (a failed load's disk bytes) left in the slots
+    engine = CopyEngine(layers, primary, threads=1)
+    engine.staging_blocks = 3  # 10 blocks: chunks of 3, 3, 3 and 1
+    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    with_backend(engine, backend)
+    device_ids = [7, 3, 4, 5, 20, 0, 1, 23, 12, 9]
+    slots = [15, 2, 3, 4, 9, 10, 11, 0, 6, 5]
+    mark = torch.cuda.Event(blocking=True)
+    mark.is_mark = True  # type: ignore[attr-defined]
+    loop_thread = threading.current_thread().name
+    await engine.to_host(device_ids, slots, mark)
+    for slot, device_id in zip(slots, device_ids):
+        row = primary.buffer[slot]
+        assert torch.equal(row[:300], layers[0][device_id]) and torch.equal(
+            row[300:904], layers[1][device_id]
+        )
+        assert not row[904:].any(), f"slot {slot}: stale padding"
+    assert (primary.buffer[1] == 0xA5).all()  # a slot not stored into is untouched
+    for layer in layers:
+        layer[12:].zero_()
+    targets = [13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    await engine.to_device(slots, targets)
+    for before, after in zip(original, layers):
+        assert torch.equal(after[targets], before[device_ids])
+        assert torch.equal(after[:12], before[:12]) and not after[23].any()  # nothing else touched
+    assert engine.stats()["chunks_to_host"] == 4
+    # A chunk listed against slot order still makes one copy per run of neighbouring slots.
+    before = engine.stats()["memcpy_calls_to_host"]
+    await engine.to_host([0, 1, 2], [8, 7, 6])
+    assert engine.stats()["memcpy_calls_to_host"] - before == 2  # the index upload and one run
+    assert all(torch.equal(primary.buffer[8 - i][:300], layers[0][i]) for i in range(3))
+
+    assert stand_in_cuda.threads("launch") == {"kvtier-cuda-submit"}, stand_in_cuda.log
+    assert stand_in_cuda.threads("record") == {"kvtier-cuda-submit"}
+    assert stand_in_cuda.threads("mark") == {"kvtier-cuda-mark"}
+    assert stand_in_cuda.log[0][0] == "mark"  # before anything was queued
+    assert loop_thread not in {thread for _, thread in stand_in_cuda.log}
+    driver = stand_in_cuda.driver
+    made = [call for call in driver.calls if call[0] == "create"]
+    assert made == [("create", 1, [FakeDriver.CONTEXT])] * 2  # non-blocking, in the primary context
+    assert len(driver.alive) == 2 and {s.handle for s in backend.streams.values()} == driver.alive
+    engine.close()
+    assert driver.alive == set() and driver.retained == 0 and driver.current == []
