@@ -102,6 +102,16 @@ def test_gpu_check_runs_on_the_cpu_fallback() -> None:
     assert out.count("SKIP") == 4 and "FAIL" not in out and "PASS throughput" not in out
 
 
+def test_gpu_checks_overlap_figure_cannot_exceed_the_shorter_side() -> None:
+    """Concurrent tier writes count once: two writes at the same time as one copy are that
+    copy's time at once, not twice it (the first figure summed every pair, up to 200% here)."""
+    gpu_check = import_bench("gpu_check")
+    copying, writing, both = gpu_check.overlap([(0.0, 1.0)], [(0.0, 1.0), (0.0, 1.0), (0.5, 2.0)])
+    assert (copying, writing, both) == (1.0, 2.0, 1.0)
+    assert gpu_check.overlap([(0.0, 1.0), (3.0, 4.0)], [(0.5, 3.5)]) == (2.0, 3.0, 1.0)
+    assert gpu_check.overlap([(0.0, 1.0)], [(1.0, 2.0)])[2] == 0.0
+
+
 def test_pipeline_and_loop_lag_benches_run(tmp_path: Path) -> None:
     result = bench_records("pipeline.py", tmp_path, "--gib", "0.02", "--repeat", "1")
     assert result["median"]["store_ratio"] > 0 and result["best"]["load_ratio"] > 0
