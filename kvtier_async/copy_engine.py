@@ -16,20 +16,22 @@ so that this logic is the same code, tested on CPU:
 - CUDA (device tensors and a pinned primary tier), `_StreamCopies`: each direction has a
   stream of its own, made through the CUDA driver so that no other code is ever handed it
   (`_DriverStreams`), and per chunk in flight a device staging buffer and an index buffer, all
-  made once when the cache opens (`open`), under the cache's device, and counted in `stats()`.
-  Device to host: one `index_select` per layer gathers the chunk's blocks into staging (bytes
-  past `block_nbytes` of a staging row stay zero, so a slot's padding is zeros, never old
-  device memory), then one `cudaMemcpyAsync` per run of neighbouring slots (the chunk is put
-  in slot order first). Host to device mirrors it with `index_copy_`. Nothing is launched from
-  the event loop: one submit thread queues every chunk (a launch blocks while the device's
-  queue is full). What a call must wait for is an event recorded when it was called (`mark`):
-  on the producer's stream for a store (`after=`, default: the calling thread's current
-  stream), on the consumer's for a load (`consumer=`: the blocks' earlier readers). A mark
-  waiter thread waits for it on the host before the call takes a buffer, so a slow producer
-  holds that call only, never the copy stream (where it would hold every later chunk of every
-  call); nothing else waits for the copy: the call returns after it completed. Completion is
-  learned by a waiter thread blocking on the chunk's event (a blocking-sync event: it sleeps),
-  then waking the loop; the loop thread never synchronizes.
+  made once when the cache opens (`open`), under the cache's device, and counted in `stats()`;
+  opening also launches every kernel the copies use once (`_warm`), so that none loads its
+  module during a store or load. Device to host: one `index_select` per layer gathers the
+  chunk's blocks into staging (bytes past `block_nbytes` of a staging row stay zero, so a
+  slot's padding is zeros, never old device memory), then one `cudaMemcpyAsync` per run of
+  neighbouring slots (the chunk is put in slot order first). Host to device mirrors it with
+  `index_copy_`. Nothing is launched from the event loop: one submit thread queues every
+  chunk (a launch blocks while the device's queue is full). What a call must wait for is an
+  event recorded when it was called (`mark`): on the producer's stream for a store (`after=`,
+  default: the calling thread's current stream), on the consumer's for a load (`consumer=`:
+  the blocks' earlier readers). A mark waiter thread waits for it on the host before the call
+  takes a buffer, so a slow producer holds that call only, never the copy stream (where it
+  would hold every later chunk of every call); nothing else waits for the copy: the call
+  returns after it completed. Completion is learned by a waiter thread blocking on the
+  chunk's event (a blocking-sync event: it sleeps), then waking the loop; the loop thread
+  never synchronizes.
 - Elsewhere (CPU tensors standing in for device memory, or an unpinned primary tier),
   `_ThreadCopies`: each chunk's copies run on a worker thread, which releases the GIL.
   CPU-to-CPU copies go through numpy, on the worker alone: torch would split each large copy
@@ -354,6 +356,7 @@ class _StreamCopies:
                     d: torch.cuda.ExternalStream(handle, device=device)  # type: ignore[no-untyped-call]
                     for d, handle in self._handles.items()
                 }
+                self._warm(staging_blocks)
             except BaseException:
                 self._destroy_streams()
                 raise
@@ -366,6 +369,37 @@ class _StreamCopies:
         # chunk is queued: a copy stream that waited on the device would hold every later chunk
         # of every other call behind that one call's producer.
         self._mark_waiters = WorkerThreads(MARK_WAITERS, "kvtier-cuda-mark")
+
+    def _warm(self, staging_blocks: int) -> None:
+        """Launch every kernel the copies use once, now, on the copy streams, and wait for them.
+
+        With lazy module loading (the CUDA_MODULE_LOADING default of recent CUDA releases) a
+        kernel's module loads at its first launch, which may synchronize the context while the
+        model runs: let that happen while the cache opens, not in a store. Which kernels, from
+        ATen's CUDA sources: `index_select` launches `indexSelectSmallIndex` for up to 16
+        indices (its variant set by the collapsed dims of the same part and staging tensors)
+        and `gather` beyond; `index_copy_` one kernel per element size (all parts are uint8).
+        So: gathers of 1, 16 and a whole chunk of block 0 from every part (reads only: the
+        rows are overwritten by every real gather, their padding stays zero), and scatters of
+        one row into a scratch row per part, never into the model's blocks.
+        """
+        counts = sorted({1, min(16, staging_blocks), staging_blocks})
+        with torch.cuda.stream(self.streams[TO_HOST]):
+            index = self.index_device[TO_HOST][0]
+            index.zero_()
+            rows = self.staging[TO_HOST][0]
+            for n in counts:
+                for part, offset, width in self.parts:
+                    torch.index_select(part, 0, index[:n], out=rows[:n, offset : offset + width])
+        with torch.cuda.stream(self.streams[TO_DEVICE]):
+            index = self.index_device[TO_DEVICE][0]
+            index.zero_()
+            rows = self.staging[TO_DEVICE][0]
+            for _part, offset, width in self.parts:
+                scratch = torch.empty((1, width), dtype=torch.uint8, device=self.device)
+                scratch.index_copy_(0, index[:1], rows[:1, offset : offset + width])
+        for stream in self.streams.values():
+            stream.synchronize()
 
     async def wait_for(self, mark: Any) -> None:
         await self._mark_waiters.run(self._wait, mark)

@@ -504,6 +504,7 @@ class StandInCuda:
     def __init__(self) -> None:
         self.driver = FakeDriver()
         self.log: list[tuple[str, str]] = []
+        self.entered: list[int] = []  # the stream of each launch
 
     def note(self, what: str) -> None:
         self.log.append((what, threading.current_thread().name))
@@ -537,6 +538,7 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
     @contextlib.contextmanager
     def stream(stream: StandInStream) -> Iterator[None]:
         cuda.note("launch")
+        cuda.entered.append(stream.handle)
         yield
 
     monkeypatch.setattr(copy_engine, "_cuda_driver", lambda: cuda.driver)
@@ -566,6 +568,9 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
     engine = CopyEngine(layers, primary, threads=1)
     engine.staging_blocks = 3  # 10 blocks: chunks of 3, 3, 3 and 1
     backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    # Opening warmed the kernels on the copy streams (checked in the next test): the rest is
+    # about the copies.
+    stand_in_cuda.log.clear()
     with_backend(engine, backend)
     device_ids = [7, 3, 4, 5, 20, 0, 1, 23, 12, 9]
     slots = [15, 2, 3, 4, 9, 10, 11, 0, 6, 5]
@@ -605,3 +610,39 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
     assert len(driver.alive) == 2 and {s.handle for s in backend.streams.values()} == driver.alive
     engine.close()
     assert driver.alive == set() and driver.retained == 0 and driver.current == []
+
+
+def test_opening_the_stream_path_warms_every_kernel_without_writing_a_device_block(
+    stand_in_cuda: StandInCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 68, defect 5: the gather's variants (up to 16 indices, more) and the scatter are
+    launched once when the cache opens, on the copy streams, so that no store or load loads a
+    kernel module while the model runs; the scatter writes a scratch row, never the model's
+    blocks (whose bytes do not change)."""
+    layers = [torch.randint(0, 256, (40, width), dtype=torch.uint8) for width in (300, 604)]
+    original = [layer.clone() for layer in layers]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=40)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    engine = CopyEngine(layers, primary, threads=1)
+    gathers: list[int] = []
+    scatters: list[bool] = []
+    index_select, index_copy = torch.index_select, torch.Tensor.index_copy_
+
+    def counted_select(part: torch.Tensor, dim: int, index: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        gathers.append(len(index))
+        return index_select(part, dim, index, **kwargs)
+
+    def counted_copy(self: torch.Tensor, *args: Any) -> torch.Tensor:
+        scatters.append(any(self.data_ptr() == layer.data_ptr() for layer in layers))
+        return index_copy(self, *args)
+
+    monkeypatch.setattr(torch, "index_select", counted_select)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", counted_copy)
+    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 24)
+    assert sorted(gathers) == [1, 1, 16, 16, 24, 24]  # each count for each of the two parts
+    assert scatters == [False, False]  # one per part, into scratch rows
+    assert set(stand_in_cuda.entered) == {s.handle for s in backend.streams.values()}
+    assert all(torch.equal(a, b) for a, b in zip(layers, original))
+    assert not backend.staging["to_host"][0][:, 904:].any()  # staging padding still zero
+    backend.close()
+    engine.close()
