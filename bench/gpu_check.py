@@ -13,7 +13,7 @@ whose goal is a GPU's). The exit status is 1 if any check failed.
 Checks:
 
 1. setup: the primary buffer is pinned (the library's flag and CUDA's `is_pinned()`) and the
-   stream path is in use; its two copy streams are none of 40 streams made first nor the
+   stream path is in use; its four copy streams are none of 40 streams made first nor the
    current stream (a pooled stream would be); two caches opened and closed in turn in one
    process; this process has a context on the cache's device only (`nvidia-smi`), the cache
    being on the last device where there are several.
@@ -164,7 +164,7 @@ async def check_setup(device: torch.device) -> None:
             modes.append((pinned, cache.stats()["copies"]["mode"]))
             backend = cache.copy_engine._backend
             streams = {stream.cuda_stream for stream in getattr(backend, "streams", {}).values()}
-            shared.append(len(streams) != 2 or bool(streams & others))
+            shared.append(len(streams) != 4 or bool(streams & others))
     procs = gpu_processes()
     pid = os.getpid()
     elsewhere = sorted(i for i, pids in (procs or {}).items() if pid in pids and i != str(device.index))
@@ -342,12 +342,14 @@ async def check_overlap(device: torch.device) -> None:
     original_queue = copy_engine._StreamCopies._queue
 
     def timed_queue(self: Any, direction: str, *args: Any) -> tuple[Any, int]:
-        # On the engine's submit thread, in its stream's order: the chunk's copies lie between.
+        # On the engine's submit thread, before the chunk's first stream (the gather's, storing)
+        # and after its last (the DMA's): the chunk's copies lie between.
+        first, last = (f"{direction}/kernels", f"{direction}/dma")[:: 1 if direction == "to_host" else -1]
         begin = torch.cuda.Event(enable_timing=True)
-        begin.record(self.streams[direction])
+        begin.record(self.streams[first])
         done, copies = original_queue(self, direction, *args)
         end = torch.cuda.Event(enable_timing=True)
-        end.record(self.streams[direction])
+        end.record(self.streams[last])
         copy_intervals.append((begin, end))
         return done, copies
 

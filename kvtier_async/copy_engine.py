@@ -5,7 +5,7 @@ layer, or one for everything); the bytes of block `b` across them, in order,
 make one `block_nbytes` primary slot. This is the one seam between device
 memory and the host.
 
-A call's blocks move in chunks of at most `staging_blocks`, at most `CHUNKS_IN_FLIGHT` of them
+A call's blocks move in chunks of at most `staging_blocks`, at most `chunks_in_flight` of them
 queued at once per direction (`_run_chunks`): a chunk's buffers are used again only once its
 copy has finished, and a call returns, or raises (cancellation included), only once every
 copy it queued has finished, so the caller may release its slots and device blocks at once.
@@ -13,9 +13,10 @@ What differs between a GPU and a CPU is behind one small interface (`wait_for` a
 `start` a chunk's copy, `finish` it, `drain` what a `start` that raised part-way had queued),
 so that this logic is the same code, tested on CPU:
 
-- CUDA (device tensors and a pinned primary tier), `_StreamCopies`: each direction has a
-  stream of its own, made through the CUDA driver so that no other code is ever handed it
-  (`_DriverStreams`), and per chunk in flight a device staging buffer and an index buffer, all
+- CUDA (device tensors and a pinned primary tier), `_StreamCopies`: each direction has two
+  streams of its own, one for kernels and one for DMA, so that a chunk's DMA runs beside the
+  next chunk's gather or scatter, made through the CUDA driver so that no other code is ever
+  handed them (`_DriverStreams`), and per chunk in flight a device staging buffer and an index buffer, all
   made once when the cache opens (`open`), under the cache's device, and counted in `stats()`;
   opening also launches every kernel the copies use once (`_warm`), so that none loads its
   module during a store or load. Device to host: one `index_select` per layer gathers the
@@ -58,12 +59,21 @@ from .errors import InvalidArgumentError
 from .primary import PrimaryTier
 from .workers import WorkerThreads, wait_uncancellable
 
-__all__ = ["CHUNKS_IN_FLIGHT", "STAGING_TARGET_BYTES", "CopyEngine", "as_layer_list", "block_widths"]
+__all__ = [
+    "CHUNKS_IN_FLIGHT",
+    "GPU_CHUNKS_IN_FLIGHT",
+    "STAGING_TARGET_BYTES",
+    "CopyEngine",
+    "as_layer_list",
+    "block_widths",
+]
 
-#: Chunks of a direction queued at once: one copying while the next is being queued.
+#: Chunks of a direction queued at once on worker threads: one copying while the next is queued.
 CHUNKS_IN_FLIGHT = 2
+#: The same on a GPU: one in its gather or scatter kernel, one in its DMA, one being queued.
+GPU_CHUNKS_IN_FLIGHT = 3
 #: Bytes of one chunk (its device staging buffer): large enough that a copy's fixed costs
-#: vanish, small enough that two per direction cost the engine little device memory.
+#: vanish, small enough that three per direction cost the engine little device memory.
 STAGING_TARGET_BYTES = 16 << 20
 #: Calls of a GPU cache waiting for their marks at once (each on a thread; more wait in turn).
 MARK_WAITERS = 4
@@ -171,7 +181,7 @@ class CopyEngine:
         self._backend = backend
         self._free = {d: asyncio.Queue() for d in (TO_HOST, TO_DEVICE)}
         for queue in self._free.values():
-            for buffer in range(CHUNKS_IN_FLIGHT):
+            for buffer in range(backend.chunks_in_flight):
                 queue.put_nowait(buffer)
 
     # -- what a copy waits for -----------------------------------------------------------------
@@ -215,7 +225,7 @@ class CopyEngine:
         await self._run_chunks(TO_DEVICE, list(slots), list(device_ids), consumer)
 
     async def _run_chunks(self, direction: str, sources: list[int], targets: list[int], mark: Any) -> None:
-        """Queue the copy chunk by chunk, at most CHUNKS_IN_FLIGHT at once; return (or raise)
+        """Queue the copy chunk by chunk, at most `chunks_in_flight` at once; return (or raise)
         only once every copy queued has finished, and give a chunk's buffers back only then."""
         if not sources:
             return
@@ -289,6 +299,7 @@ class _Copies(Protocol):
     copy, and learning it ended."""
 
     nbytes: int
+    chunks_in_flight: int
 
     async def wait_for(self, mark: Any) -> None:
         """Wait, off the event loop, until the work a mark (`CopyEngine.mark`) stands for is done."""
@@ -310,8 +321,10 @@ class _Copies(Protocol):
 
 
 class _StreamCopies:
-    """Chunks through device staging buffers on one CUDA stream per direction, queued by one
-    submit thread; a waiter thread learns when each chunk ended."""
+    """Chunks through device staging buffers on two CUDA streams per direction (kernels, DMA),
+    queued by one submit thread; a waiter thread learns when each chunk ended."""
+
+    chunks_in_flight = GPU_CHUNKS_IN_FLIGHT
 
     def __init__(
         self, device: torch.device, parts: list[Part], host: torch.Tensor, staging_blocks: int
@@ -328,21 +341,21 @@ class _StreamCopies:
             self.staging = {
                 d: [
                     torch.zeros((staging_blocks, stride), dtype=torch.uint8, device=device)
-                    for _ in range(CHUNKS_IN_FLIGHT)
+                    for _ in range(GPU_CHUNKS_IN_FLIGHT)
                 ]
                 for d in (TO_HOST, TO_DEVICE)
             }
             self.index_host = {
                 d: [
                     torch.empty(staging_blocks, dtype=torch.long, pin_memory=pinned)
-                    for _ in range(CHUNKS_IN_FLIGHT)
+                    for _ in range(GPU_CHUNKS_IN_FLIGHT)
                 ]
                 for d in (TO_HOST, TO_DEVICE)
             }
             self.index_device = {
                 d: [
                     torch.empty(staging_blocks, dtype=torch.long, device=device)
-                    for _ in range(CHUNKS_IN_FLIGHT)
+                    for _ in range(GPU_CHUNKS_IN_FLIGHT)
                 ]
                 for d in (TO_HOST, TO_DEVICE)
             }
@@ -350,21 +363,23 @@ class _StreamCopies:
             self._driver = _DriverStreams(device)
             self._handles: dict[str, int] = {}
             try:
-                for d in (TO_HOST, TO_DEVICE):
-                    self._handles[d] = self._driver.create()
+                # Per direction, kernels (index uploads, gathers or scatters) and DMA on streams
+                # apart: a chunk's DMA runs beside the next chunk's kernel.
+                for name in (f"{d}/{role}" for d in (TO_HOST, TO_DEVICE) for role in ("kernels", "dma")):
+                    self._handles[name] = self._driver.create()
                 self.streams = {
-                    d: torch.cuda.ExternalStream(handle, device=device)  # type: ignore[no-untyped-call]
-                    for d, handle in self._handles.items()
+                    name: torch.cuda.ExternalStream(handle, device=device)  # type: ignore[no-untyped-call]
+                    for name, handle in self._handles.items()
                 }
                 self._warm(staging_blocks)
             except BaseException:
                 self._destroy_streams()
                 raise
-        self.nbytes = 2 * CHUNKS_IN_FLIGHT * staging_blocks * (stride + 2 * 8)
+        self.nbytes = 2 * GPU_CHUNKS_IN_FLIGHT * staging_blocks * (stride + 2 * 8)
         # One thread queues every chunk, in call order: no launch from the event loop (a launch
         # blocks while the device's queue is full), and `drain` follows what was queued before.
         self._submit = WorkerThreads(1, "kvtier-cuda-submit")
-        self._waiters = WorkerThreads(2 * CHUNKS_IN_FLIGHT, "kvtier-cuda-wait")
+        self._waiters = WorkerThreads(2 * GPU_CHUNKS_IN_FLIGHT, "kvtier-cuda-wait")
         # Each call waits for its producer (or consumer) here, on the host, before its first
         # chunk is queued: a copy stream that waited on the device would hold every later chunk
         # of every other call behind that one call's producer.
@@ -384,14 +399,14 @@ class _StreamCopies:
         one row into a scratch row per part, never into the model's blocks.
         """
         counts = sorted({1, min(16, staging_blocks), staging_blocks})
-        with torch.cuda.stream(self.streams[TO_HOST]):
+        with torch.cuda.stream(self.streams[f"{TO_HOST}/kernels"]):
             index = self.index_device[TO_HOST][0]
             index.zero_()
             rows = self.staging[TO_HOST][0]
             for n in counts:
                 for part, offset, width in self.parts:
                     torch.index_select(part, 0, index[:n], out=rows[:n, offset : offset + width])
-        with torch.cuda.stream(self.streams[TO_DEVICE]):
+        with torch.cuda.stream(self.streams[f"{TO_DEVICE}/kernels"]):
             index = self.index_device[TO_DEVICE][0]
             index.zero_()
             rows = self.staging[TO_DEVICE][0]
@@ -421,38 +436,54 @@ class _StreamCopies:
         rows = self.staging[direction][buffer][:n]
         index_host = self.index_host[direction][buffer][:n]
         index_device = self.index_device[direction][buffer][:n]
-        stream = self.streams[direction]
+        kernels, dma = self.streams[f"{direction}/kernels"], self.streams[f"{direction}/dma"]
         index_host.copy_(torch.as_tensor(device_ids, dtype=torch.long))  # idle buffer: host side
         copies = 1  # the index upload
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            index_device.copy_(index_host, non_blocking=True)
+        # Each stream waits for the other only where this chunk's bytes pass from one to the
+        # other (`wait_stream`: an event recorded there now); buffers are used again only once
+        # the host saw the chunk end, on the stream that finishes it.
+        with torch.cuda.device(self.device):
             if direction == TO_HOST:
-                for part, offset, width in self.parts:
-                    torch.index_select(part, 0, index_device, out=rows[:, offset : offset + width])
-                for start, first, count in _slot_runs(slots):
-                    self.host[first : first + count].copy_(rows[start : start + count], non_blocking=True)
-                    copies += 1
+                with torch.cuda.stream(kernels):
+                    index_device.copy_(index_host, non_blocking=True)
+                    for part, offset, width in self.parts:
+                        torch.index_select(part, 0, index_device, out=rows[:, offset : offset + width])
+                with torch.cuda.stream(dma):
+                    dma.wait_stream(kernels)
+                    for start, first, count in _slot_runs(slots):
+                        self.host[first : first + count].copy_(rows[start : start + count], non_blocking=True)
+                        copies += 1
+                last = dma
             else:
-                for start, first, count in _slot_runs(slots):
-                    rows[start : start + count].copy_(self.host[first : first + count], non_blocking=True)
-                    copies += 1
-                for part, offset, width in self.parts:
-                    part.index_copy_(0, index_device, rows[:, offset : offset + width])
-        return self._record_end(direction), copies
+                with torch.cuda.stream(dma):
+                    for start, first, count in _slot_runs(slots):
+                        rows[start : start + count].copy_(self.host[first : first + count], non_blocking=True)
+                        copies += 1
+                with torch.cuda.stream(kernels):
+                    index_device.copy_(index_host, non_blocking=True)
+                    kernels.wait_stream(dma)
+                    for part, offset, width in self.parts:
+                        part.index_copy_(0, index_device, rows[:, offset : offset + width])
+                last = kernels
+        return self._record_end(last), copies
 
-    def _record_end(self, direction: str) -> Any:
-        """An event after all that the direction's stream holds (its waiter sleeps)."""
+    def _record_end(self, stream: Any) -> Any:
+        """An event after all that `stream` holds (its waiter sleeps)."""
         with torch.cuda.device(self.device):
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-            done.record(self.streams[direction])
+            done.record(stream)
         return done
+
+    def _record_ends(self, direction: str) -> list[Any]:
+        return [self._record_end(self.streams[f"{direction}/{role}"]) for role in ("kernels", "dma")]
 
     def finish(self, handle: Any) -> Awaitable[None]:
         return self._waiters.run(self._wait, handle)
 
     async def drain(self, direction: str) -> None:
         # Through the submit thread: after whatever it had queued when `start` raised.
-        await self.finish(await self._submit.run(self._record_end, direction))
+        for end in await self._submit.run(self._record_ends, direction):
+            await self.finish(end)
 
     def _wait(self, event: Any) -> None:
         with torch.cuda.device(self.device):
@@ -549,6 +580,7 @@ class _ThreadCopies:
     """Chunks copied by worker threads (numpy for host to host, torch otherwise)."""
 
     nbytes = 0
+    chunks_in_flight = CHUNKS_IN_FLIGHT
 
     def __init__(
         self, device: torch.device, parts: list[Part], primary: PrimaryTier, workers: WorkerThreads

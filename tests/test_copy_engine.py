@@ -76,6 +76,7 @@ class GatedCopies:
     anything or (`part_way`) after it queued part of the chunk."""
 
     nbytes = 0
+    chunks_in_flight = CHUNKS_IN_FLIGHT
 
     def __init__(self, fail_at: int | None = None, part_way: bool = False) -> None:
         self.fail_at = fail_at
@@ -125,12 +126,12 @@ def gated_engine(blocks: int, backend: GatedCopies) -> CopyEngine:
     return with_backend(engine, backend)
 
 
-def with_backend(engine: CopyEngine, backend: object) -> CopyEngine:
+def with_backend(engine: CopyEngine, backend: Any) -> CopyEngine:
     """`engine`, opened with `backend` (what `CopyEngine.open` would do with its own)."""
-    engine._backend = backend  # type: ignore[assignment]
+    engine._backend = backend
     engine._free = {d: asyncio.Queue() for d in ("to_host", "to_device")}
     for queue in engine._free.values():
-        for buffer in range(CHUNKS_IN_FLIGHT):
+        for buffer in range(backend.chunks_in_flight):
             queue.put_nowait(buffer)
     return engine
 
@@ -505,6 +506,7 @@ class StandInCuda:
         self.driver = FakeDriver()
         self.log: list[tuple[str, str]] = []
         self.entered: list[int] = []  # the stream of each launch
+        self.waits: list[tuple[int, int]] = []  # (stream, the stream it waited for)
 
     def note(self, what: str) -> None:
         self.log.append((what, threading.current_thread().name))
@@ -542,7 +544,12 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
         yield
 
     monkeypatch.setattr(copy_engine, "_cuda_driver", lambda: cuda.driver)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", StandInStream)
+
+    class Stream(StandInStream):
+        def wait_stream(self, other: StandInStream) -> None:
+            cuda.waits.append((self.handle, other.handle))
+
+    monkeypatch.setattr(torch.cuda, "ExternalStream", Stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
@@ -571,13 +578,21 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
     # Opening warmed the kernels on the copy streams (checked in the next test): the rest is
     # about the copies.
     stand_in_cuda.log.clear()
+    stand_in_cuda.entered.clear()
     with_backend(engine, backend)
+    streams = {name: stream.handle for name, stream in backend.streams.items()}
     device_ids = [7, 3, 4, 5, 20, 0, 1, 23, 12, 9]
     slots = [15, 2, 3, 4, 9, 10, 11, 0, 6, 5]
     mark = torch.cuda.Event(blocking=True)
     mark.is_mark = True  # type: ignore[attr-defined]
     loop_thread = threading.current_thread().name
     await engine.to_host(device_ids, slots, mark)
+    # Per chunk: the gathers on the kernel stream, then the DMA stream waits for them (for them
+    # only: nothing else orders the two) and copies to the host.
+    kernels, dma = streams["to_host/kernels"], streams["to_host/dma"]
+    assert stand_in_cuda.entered == [kernels, dma] * 4 and stand_in_cuda.waits == [(dma, kernels)] * 4
+    stand_in_cuda.entered.clear()
+    stand_in_cuda.waits.clear()
     for slot, device_id in zip(slots, device_ids):
         row = primary.buffer[slot]
         assert torch.equal(row[:300], layers[0][device_id]) and torch.equal(
@@ -589,6 +604,9 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
         layer[12:].zero_()
     targets = [13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
     await engine.to_device(slots, targets)
+    # Mirrored: the DMA into staging, then the kernel stream waits for it and scatters.
+    kernels, dma = streams["to_device/kernels"], streams["to_device/dma"]
+    assert stand_in_cuda.entered == [dma, kernels] * 4 and stand_in_cuda.waits == [(kernels, dma)] * 4
     for before, after in zip(original, layers):
         assert torch.equal(after[targets], before[device_ids])
         assert torch.equal(after[:12], before[:12]) and not after[23].any()  # nothing else touched
@@ -606,8 +624,8 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
     assert loop_thread not in {thread for _, thread in stand_in_cuda.log}
     driver = stand_in_cuda.driver
     made = [call for call in driver.calls if call[0] == "create"]
-    assert made == [("create", 1, [FakeDriver.CONTEXT])] * 2  # non-blocking, in the primary context
-    assert len(driver.alive) == 2 and {s.handle for s in backend.streams.values()} == driver.alive
+    assert made == [("create", 1, [FakeDriver.CONTEXT])] * 4  # non-blocking, in the primary context
+    assert len(driver.alive) == 4 and set(streams.values()) == driver.alive
     engine.close()
     assert driver.alive == set() and driver.retained == 0 and driver.current == []
 
@@ -641,7 +659,8 @@ def test_opening_the_stream_path_warms_every_kernel_without_writing_a_device_blo
     backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 24)
     assert sorted(gathers) == [1, 1, 16, 16, 24, 24]  # each count for each of the two parts
     assert scatters == [False, False]  # one per part, into scratch rows
-    assert set(stand_in_cuda.entered) == {s.handle for s in backend.streams.values()}
+    kernel_streams = {backend.streams[f"{d}/kernels"].handle for d in ("to_host", "to_device")}
+    assert set(stand_in_cuda.entered) == kernel_streams  # the model's streams see none of it
     assert all(torch.equal(a, b) for a, b in zip(layers, original))
     assert not backend.staging["to_host"][0][:, 904:].any()  # staging padding still zero
     backend.close()
