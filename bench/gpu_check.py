@@ -23,6 +23,11 @@ Checks:
    compared as uint8; blocks not targeted keep a sentinel; slot padding on disk is zeros.
 3. producer ordering: a side stream sleeps ~200 ms, then writes the blocks; `store(...,
    after=that_stream)` at once stores the new bytes; the loop's lag stays under 10 ms.
+3b. orderings: calls of four chunks each (every staging buffer used again) behind ~200 ms of
+   GPU work, with `after=Stream`, `after=Event`, the default from a model thread submitting
+   with `run_coroutine_threadsafe`, and `consumer=` (a queued reader still sees the old
+   bytes); byte-exact; no device allocation in any call once open; two memory copies per
+   chunk of neighbouring slots.
 4. no sync on the loop: `torch.cuda.set_sync_debug_mode("error")` around store and load; a
    0.5 s sleep on an unrelated stream does not delay them.
 5. overlap, measured: CUDA events around each chunk's copy, anchored to `perf_counter`,
@@ -281,6 +286,95 @@ def clock_hz(device: torch.device) -> float:
     return rate * 1e3 if rate else 1.5e9
 
 
+# -- 3b. every ordering, many chunks ------------------------------------------------------------
+def allocations(device: torch.device) -> int:
+    """Device allocations asked of PyTorch's caching allocator so far (cached ones included)."""
+    return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
+
+
+async def check_orderings(device: torch.device) -> None:
+    """Calls of four chunks each (more than are in flight: every staging buffer used again),
+    each queued at once behind ~200 ms of GPU work: `after=Stream`, `after=Event`, the default
+    from a model thread submitting with `run_coroutine_threadsafe` (its current stream is the
+    producer's; the loop thread's has nothing queued), and `consumer=` (the load must not
+    overwrite blocks a consumer stream has yet to read). Byte-exact, no device allocation in
+    any call once open, two memory copies per chunk of neighbouring slots."""
+    if device.type != "cuda":
+        report("orderings", "SKIP", "no CUDA device")
+        return
+    block, n = 1 << 20, 64
+    layers = [torch.zeros((256, block), dtype=torch.uint8, device=device)]
+    spec = kt.OffloadingSpec(block_nbytes=block, num_cpu_blocks=256, namespace="gpu-check-orderings")
+    keys = [
+        kt.block_hashes(range(r * 16 * n, (r + 1) * 16 * n), 16, namespace=spec.namespace) for r in range(3)
+    ]
+    sources, targets = list(range(n)), list(range(128, 128 + n))
+    side, consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    loop = asyncio.get_running_loop()
+    allocated = [0]
+
+    def produce(value: int) -> None:
+        """On `side`: ~200 ms of GPU time, then the blocks' new bytes."""
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            torch.cuda._sleep(int(0.2 * clock_hz(device)))
+            layers[0].index_fill_(0, torch.tensor(sources, device=device), value)
+
+    async def counted(call: Awaitable[int]) -> int:
+        before = allocations(device)
+        try:
+            return await call
+        finally:
+            allocated[0] += allocations(device) - before
+
+    def from_model_thread() -> int:
+        with torch.cuda.device(device), torch.cuda.stream(side):  # this thread's current stream
+            produce(3)
+            future = asyncio.run_coroutine_threadsafe(counted(cache.store(keys[2], sources)), loop)
+        return future.result()
+
+    async with kt.TieredKVCache(spec, layers) as cache:
+        outcomes = {}
+        produce(1)
+        outcomes["after=Stream"] = await counted(cache.store(keys[0], sources, after=side))
+        produce(2)
+        produced = torch.cuda.Event()
+        produced.record(side)
+        outcomes["after=Event"] = await counted(cache.store(keys[1], sources, after=produced))
+        outcomes["default, model thread"] = await asyncio.to_thread(from_model_thread)
+        exact = {}
+        for value, (name, stored) in enumerate(outcomes.items(), start=1):
+            layers[0][128 : 128 + n].zero_()
+            loaded = await counted(cache.load(keys[value - 1], targets))
+            sync(device)
+            exact[name] = stored == loaded == n and bool((layers[0][128 : 128 + n] == value).all())
+        # consumer=: a reader of the target blocks queued behind ~200 ms on its own stream.
+        layers[0][128 : 128 + n].fill_(0xEE)
+        reader = torch.empty((n, block), dtype=torch.uint8, device=device)
+        sync(device)
+        with torch.cuda.stream(consumer):
+            torch.cuda._sleep(int(0.2 * clock_hz(device)))
+            reader.copy_(layers[0][128 : 128 + n])
+        loaded = await counted(cache.load(keys[0], targets, consumer=consumer))
+        sync(device)
+        exact["consumer="] = loaded == n and bool((layers[0][128 : 128 + n] == 1).all())
+        not_overtaken = bool((reader == 0xEE).all())
+        copies = cache.stats()["copies"]
+    per_chunk = copies["memcpy_calls_max_per_chunk"]
+    ok = (
+        all(exact.values())
+        and not_overtaken
+        and allocated[0] == 0
+        and per_chunk == {"to_host": 2, "to_device": 2}
+    )
+    report(
+        "orderings",
+        "PASS" if ok else "FAIL",
+        f"byte-exact over {n // copies['staging_blocks']} chunks a call: {exact}; the consumer read "
+        f"the old bytes: {not_overtaken}; device allocations in the calls: {allocated[0]} (goal 0); "
+        f"memory copies per chunk at most {per_chunk} (goal 2: the index, one run)",
+    )
+
+
 # -- 4. no sync on the loop ---------------------------------------------------------------------
 async def check_no_sync(device: torch.device) -> None:
     if device.type != "cuda":
@@ -513,6 +607,7 @@ async def main() -> None:
             ("setup", lambda: check_setup(device)),
             ("round trips", lambda: check_round_trips(device, Path(work), args.small)),
             ("producer ordering", lambda: check_producer_ordering(device)),
+            ("orderings", lambda: check_orderings(device)),
             ("no sync on the loop", lambda: check_no_sync(device)),
             ("overlap", lambda: check_overlap(device)),
             ("throughput", lambda: check_throughput(device, args.small)),

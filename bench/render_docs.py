@@ -1146,11 +1146,11 @@ def render(out: Path) -> str:
         "the same chunking code and of its stream copies under a stand-in for CUDA",
         "([concepts](concepts.md#device-copies-what-they-wait-for)).",
         "`python bench/gpu_check.py`, run in a clone (it imports the checkout's package), is its",
-        "acceptance script (setup and contexts, byte-exact round trips, producer ordering, no sync",
-        "on the loop, measured overlap, throughput of `cache.store` / `cache.load` against raw",
-        "pinned copies). A line says PASS only where what it asserts held; without CUDA the",
-        "throughput line is INFO, measured and not asserted. Its output goes here the first time a",
-        "device runs it.",
+        "acceptance script (setup and contexts, byte-exact round trips, producer ordering, every",
+        "ordering over many chunks, no sync on the loop, measured overlap, throughput of",
+        "`cache.store` / `cache.load` against raw pinned copies). A line says PASS only where what it",
+        "asserts held; without CUDA the throughput line is INFO, measured and not asserted. Its",
+        "output goes here the first time a device runs it.",
         "",
     ]
     return "\n".join(lines).rstrip() + "\n"
