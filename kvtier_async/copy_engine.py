@@ -16,23 +16,23 @@ so that this logic is the same code, tested on CPU:
 - CUDA (device tensors and a pinned primary tier), `_StreamCopies`: each direction has two
   streams of its own, one for kernels and one for DMA, so that a chunk's DMA runs beside the
   next chunk's gather or scatter, made through the CUDA driver so that no other code is ever
-  handed them (`_DriverStreams`), and per chunk in flight a device staging buffer and an index buffer, all
-  made once when the cache opens (`open`), under the cache's device, and counted in `stats()`;
-  opening also launches every kernel the copies use once (`_warm`), so that none loads its
-  module during a store or load. Device to host: one `index_select` per layer gathers the
-  chunk's blocks into staging (bytes past `block_nbytes` of a staging row stay zero, so a
-  slot's padding is zeros, never old device memory), then one `cudaMemcpyAsync` per run of
-  neighbouring slots (the chunk is put in slot order first). Host to device mirrors it with
-  `index_copy_`. Nothing is launched from the event loop: one submit thread queues every
-  chunk (a launch blocks while the device's queue is full). What a call must wait for is an
-  event recorded when it was called (`mark`): on the producer's stream for a store (`after=`,
-  default: the calling thread's current stream), on the consumer's for a load (`consumer=`:
-  the blocks' earlier readers). A mark waiter thread waits for it on the host before the call
-  takes a buffer, so a slow producer holds that call only, never the copy stream (where it
-  would hold every later chunk of every call); nothing else waits for the copy: the call
-  returns after it completed. Completion is learned by a waiter thread blocking on the
-  chunk's event (a blocking-sync event: it sleeps), then waking the loop; the loop thread
-  never synchronizes.
+  handed them (`_DriverStreams`), and per chunk in flight a device staging buffer and an index
+  buffer, all made once when the cache opens (`open`), under the cache's device, and counted
+  in `stats()`; opening also launches every kernel the copies use once (`_warm`), so that none
+  loads its module during a store or load. Device to host: one `index_select` per layer
+  gathers the chunk's blocks into staging (bytes past `block_nbytes` of a staging row stay
+  zero, so a slot's padding is zeros, never old device memory), then one `cudaMemcpyAsync` per
+  run of neighbouring slots (a call's blocks go in slot order, at most `MAX_RUNS_PER_CHUNK`
+  runs a chunk). Host to device mirrors it with `index_copy_`. Nothing is launched from the
+  event loop: one submit thread queues every chunk (a launch blocks while the device's queue
+  is full). What a call must wait for is an event recorded when it was called (`mark`): on the
+  producer's stream for a store (`after=`, default: the calling thread's current stream), on
+  the consumer's for a load (`consumer=`: the blocks' earlier readers). A mark waiter thread
+  waits for it on the host before the call takes a buffer, so a slow producer holds that call
+  only, never a copy stream (where it would hold every later chunk of every call); nothing
+  else waits for the copy: the call returns after it completed. Completion is learned by a
+  waiter thread blocking on the chunk's event (a blocking-sync event: it sleeps), then waking
+  the loop; the loop thread never synchronizes.
 - Elsewhere (CPU tensors standing in for device memory, or an unpinned primary tier),
   `_ThreadCopies`: each chunk's copies run on a worker thread, which releases the GIL.
   CPU-to-CPU copies go through numpy, on the worker alone: torch would split each large copy
@@ -75,6 +75,10 @@ GPU_CHUNKS_IN_FLIGHT = 3
 #: Bytes of one chunk (its device staging buffer): large enough that a copy's fixed costs
 #: vanish, small enough that three per direction cost the engine little device memory.
 STAGING_TARGET_BYTES = 16 << 20
+#: Runs of neighbouring slots (one `cudaMemcpyAsync` each) in one GPU chunk at most: a chunk's
+#: launches stay far below the device's queue of pending launches (about a thousand, past which
+#: a launch blocks its thread), even with small blocks scattered over the slots.
+MAX_RUNS_PER_CHUNK = 256
 #: Calls of a GPU cache waiting for their marks at once (each on a thread; more wait in turn).
 MARK_WAITERS = 4
 
@@ -238,14 +242,13 @@ class CopyEngine:
             # the other calls' chunks need, neither a buffer nor a place in a stream's order.
             await backend.wait_for(mark)
         finishing: list[asyncio.Future[None]] = []
-        step = self.staging_blocks
         try:
-            for start in range(0, len(sources), step):
+            for chunk_sources, chunk_targets in backend.chunks(
+                direction, sources, targets, self.staging_blocks
+            ):
                 buffer = await free.get()
                 try:
-                    handle, copies = await backend.start(
-                        direction, buffer, sources[start : start + step], targets[start : start + step]
-                    )
+                    handle, copies = await backend.start(direction, buffer, chunk_sources, chunk_targets)
                 except BaseException:
                     # It may have queued part of the chunk before it raised: the buffer, and
                     # the caller's slots and device blocks, are free only once that has ended.
@@ -300,6 +303,11 @@ class _Copies(Protocol):
 
     nbytes: int
     chunks_in_flight: int
+
+    def chunks(
+        self, direction: str, sources: list[int], targets: list[int], step: int
+    ) -> list[tuple[list[int], list[int]]]:
+        """A call's (sources, targets) split into chunks of at most `step` blocks."""
 
     async def wait_for(self, mark: Any) -> None:
         """Wait, off the event loop, until the work a mark (`CopyEngine.mark`) stands for is done."""
@@ -416,6 +424,11 @@ class _StreamCopies:
         for stream in self.streams.values():
             stream.synchronize()
 
+    def chunks(
+        self, direction: str, sources: list[int], targets: list[int], step: int
+    ) -> list[tuple[list[int], list[int]]]:
+        return _slot_ordered_chunks(direction, sources, targets, step, MAX_RUNS_PER_CHUNK)
+
     async def wait_for(self, mark: Any) -> None:
         await self._mark_waiters.run(self._wait, mark)
 
@@ -425,13 +438,9 @@ class _StreamCopies:
         return await self._submit.run(self._queue, direction, buffer, sources, targets)
 
     def _queue(self, direction: str, buffer: int, sources: list[int], targets: list[int]) -> tuple[Any, int]:
-        """On the submit thread: queue one chunk's copy on the direction's stream."""
+        """On the submit thread: queue one chunk's copy (in slot order: `chunks`) on the
+        direction's streams."""
         device_ids, slots = (sources, targets) if direction == TO_HOST else (targets, sources)
-        # In slot order, so that neighbouring slots make one run (one copy) whatever order the
-        # caller listed them in; staging row i holds the i-th pair either way.
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        device_ids = [device_ids[i] for i in order]
-        slots = [slots[i] for i in order]
         n = len(slots)
         rows = self.staging[direction][buffer][:n]
         index_host = self.index_host[direction][buffer][:n]
@@ -599,6 +608,12 @@ class _ThreadCopies:
         # copies wait. Started only if a mark ever comes (device blocks, host memory unpinned).
         self.mark_waiters = WorkerThreads(MARK_WAITERS, "kvtier-copy-mark")
 
+    def chunks(
+        self, direction: str, sources: list[int], targets: list[int], step: int
+    ) -> list[tuple[list[int], list[int]]]:
+        # In the caller's order: runs here pair device ids and slots (`_paired_runs`).
+        return [(sources[i : i + step], targets[i : i + step]) for i in range(0, len(sources), step)]
+
     async def wait_for(self, mark: Any) -> None:
         """Device blocks, host memory not pinned: their producer's (or readers') work ends first."""
         await self.mark_waiters.run(self._wait, mark)
@@ -678,6 +693,30 @@ def _paired_runs(device_ids: list[int], slots: list[int]) -> list[tuple[int, int
         else:
             runs.append((device_id, slot, 1))
     return runs
+
+
+def _slot_ordered_chunks(
+    direction: str, sources: list[int], targets: list[int], step: int, max_runs: int
+) -> list[tuple[list[int], list[int]]]:
+    """A call's pairs in slot order (neighbouring slots make one run, one copy, whatever order
+    the caller listed them in; a call's copies may go in any order, as it returns only once
+    all have ended), cut into chunks of at most `step` blocks and `max_runs` runs."""
+    slots = targets if direction == TO_HOST else sources
+    chunks: list[tuple[list[int], list[int]]] = []
+    chunk: tuple[list[int], list[int]] = ([], [])
+    runs, last = 0, None
+    for i in sorted(range(len(slots)), key=slots.__getitem__):
+        new_run = last is None or slots[i] != last + 1
+        if chunk[0] and (len(chunk[0]) == step or (new_run and runs == max_runs)):
+            chunks.append(chunk)
+            chunk, runs, new_run = ([], []), 0, True
+        runs += new_run
+        chunk[0].append(sources[i])
+        chunk[1].append(targets[i])
+        last = slots[i]
+    if chunk[0]:
+        chunks.append(chunk)
+    return chunks
 
 
 def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:

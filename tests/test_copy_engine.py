@@ -26,6 +26,29 @@ def test_runs() -> None:
     assert _slot_runs([]) == [] and _paired_runs([], []) == []
 
 
+def test_gpu_chunks_go_in_slot_order_with_a_cap_on_runs() -> None:
+    """Issue 68, defect 4: a chunk's copies are one per run of neighbouring slots, so the pairs
+    go in slot order (the caller's order costs one copy per block when it runs against the
+    slots), and a chunk ends at `step` blocks or at `max_runs` runs (scattered small blocks
+    would otherwise queue a launch per block per chunk)."""
+    chunks = copy_engine._slot_ordered_chunks
+    # Storing: targets are the slots. Listed backwards, still one run.
+    assert chunks("to_host", [7, 8, 9], [12, 11, 10], 4, 2) == [([9, 8, 7], [10, 11, 12])]
+    slots = [9, 1, 2, 3, 7, 5, 20, 21]  # runs [1-3], [5], [7], [9], [20-21] in slot order
+    device = [90, 10, 20, 30, 70, 50, 200, 210]
+    assert chunks("to_device", slots, device, 4, 2) == [
+        ([1, 2, 3, 5], [10, 20, 30, 50]),  # four blocks (the step), two runs
+        ([7, 9], [70, 90]),  # a third run would pass the cap
+        ([20, 21], [200, 210]),
+    ]
+    assert chunks("to_device", slots, device, 3, 99) == [
+        ([1, 2, 3], [10, 20, 30]),
+        ([5, 7, 9], [50, 70, 90]),
+        ([20, 21], [200, 210]),
+    ]
+    assert chunks("to_host", [], [], 4, 2) == []
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float16])
 async def test_scattered_copies_are_exact_for_any_dtype(dtype: torch.dtype) -> None:
@@ -87,6 +110,9 @@ class GatedCopies:
         self.most_running = 0
         #: (mark, its wait ends), per call of `wait_for`.
         self.marks: list[tuple[object, asyncio.Future[None]]] = []
+
+    def chunks(self, direction: str, sources: list[int], targets: list[int], step: int):
+        return [(sources[i : i + step], targets[i : i + step]) for i in range(0, len(sources), step)]
 
     async def wait_for(self, mark: object) -> None:
         done = asyncio.get_running_loop().create_future()
