@@ -503,6 +503,25 @@ class _StreamCopies:
         self._submit.close()
         self._waiters.close()
         self._mark_waiters.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Wait until the copy streams are idle, free every tensor used on them, then destroy
+        them and let go of the context, in that order.
+
+        Freed last, a tensor would use a destroyed stream: PyTorch's caching host allocator
+        notes each stream that a pinned block was copied on (`record_event`, called for every
+        `non_blocking` copy of a `pin_memory=True` tensor) and, when the block is freed, records
+        an event on each of them (`CachingHostAllocatorImpl::free`, ATen/core/
+        CachingHostAllocator.h): the index buffers are such blocks. And the device caching
+        allocator hands a freed block to the next allocation on the stream it was made on
+        (the current one, not ours) at once: freed while a copy stream might still use it, a
+        staging buffer could be written by two users.
+        """
+        with torch.cuda.device(self.device):
+            for stream in self.streams.values():
+                stream.synchronize()
+        self.staging, self.index_host, self.index_device = {}, {}, {}
         self._destroy_streams()
 
     def _destroy_streams(self) -> None:

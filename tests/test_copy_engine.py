@@ -8,7 +8,8 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -488,6 +489,8 @@ class FakeDriver:
         self.alive: set[int] = set()
         self.retained = 0
         self.made = 0x1000
+        #: Run at each cuStreamDestroy, before it: what a test checks still holds then.
+        self.before_destroy: list[Callable[[], None]] = []
 
     def cuDeviceGet(self, out: Any, ordinal: Any) -> int:
         out._obj.value = ordinal.value
@@ -518,6 +521,8 @@ class FakeDriver:
         return 0
 
     def cuStreamDestroy_v2(self, stream: Any) -> int:
+        for check in self.before_destroy:
+            check()
         self.alive.discard(stream.value)
         self.calls.append(("destroy", stream.value, list(self.current)))
         return 0
@@ -574,6 +579,9 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
     class Stream(StandInStream):
         def wait_stream(self, other: StandInStream) -> None:
             cuda.waits.append((self.handle, other.handle))
+
+        def synchronize(self) -> None:
+            cuda.note(f"synchronize {self.handle}")
 
     monkeypatch.setattr(torch.cuda, "ExternalStream", Stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -691,3 +699,40 @@ def test_opening_the_stream_path_warms_every_kernel_without_writing_a_device_blo
     assert not backend.staging["to_host"][0][:, 904:].any()  # staging padding still zero
     backend.close()
     engine.close()
+
+
+def buffers_of(backend: Any) -> list[weakref.ref[torch.Tensor]]:
+    """Weak references to every tensor `_StreamCopies` uses on its copy streams."""
+    return [
+        weakref.ref(tensor)
+        for name in ("staging", "index_host", "index_device", "scratch")
+        for tensors in getattr(backend, name, {}).values()
+        for tensor in tensors
+    ]
+
+
+def test_closing_the_stream_path_frees_its_buffers_before_it_destroys_their_streams(
+    stand_in_cuda: StandInCuda,
+) -> None:
+    """Freeing a pinned index buffer records an event on every stream it was copied on (PyTorch's
+    caching host allocator), and a freed staging buffer goes to the next allocation at once:
+    at close the copy streams are synchronized, then every tensor used on them is freed, and
+    only then are the streams destroyed."""
+    layers = [torch.randint(0, 256, (8, 904), dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=8)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    engine = CopyEngine(layers, primary, threads=1)
+    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    with_backend(engine, backend)
+    buffers = buffers_of(backend)
+    assert len(buffers) >= 3 * 2 * copy_engine.GPU_CHUNKS_IN_FLIGHT
+    driver = stand_in_cuda.driver
+    alive_at_destroy: list[int] = []
+    driver.before_destroy.append(lambda: alive_at_destroy.append(sum(b() is not None for b in buffers)))
+    driver.before_destroy.append(lambda: stand_in_cuda.note("destroy"))
+    stand_in_cuda.log.clear()
+    engine.close()
+    assert alive_at_destroy == [0] * 4
+    events = [what.split()[0] for what, _ in stand_in_cuda.log]
+    assert events == ["synchronize"] * 4 + ["destroy"] * 4
+    assert driver.alive == set() and driver.retained == 0
