@@ -337,7 +337,12 @@ class _StreamCopies:
     def __init__(
         self, device: torch.device, parts: list[Part], host: torch.Tensor, staging_blocks: int
     ) -> None:
-        # A worker thread's work: allocations, and a wait for the zeroing to end.
+        # A worker thread's work: allocations, and a wait for the zeroing to end. Every tensor
+        # the copies use is made here, on the current stream, before any copy stream is: the
+        # caching allocator ties a block (with expandable segments, its whole segment) to the
+        # stream current at its allocation, and synchronizes that stream when it unmaps the
+        # segment (`ExpandableSegment::unmapHandles`, c10/cuda/CUDACachingAllocator.cpp), which
+        # after `close` would be a destroyed stream. Nothing is allocated under a copy stream.
         self.device = device
         self.parts = parts
         self.host = host
@@ -366,6 +371,10 @@ class _StreamCopies:
                     for _ in range(GPU_CHUNKS_IN_FLIGHT)
                 ]
                 for d in (TO_HOST, TO_DEVICE)
+            }
+            # `_warm`'s scatters write here, never into the model's blocks.
+            self.scratch = {
+                TO_DEVICE: [torch.empty((1, width), dtype=torch.uint8, device=device) for *_, width in parts]
             }
             torch.cuda.current_stream(device).synchronize()  # the zeros are there before any use
             self._driver = _DriverStreams(device)
@@ -418,8 +427,7 @@ class _StreamCopies:
             index = self.index_device[TO_DEVICE][0]
             index.zero_()
             rows = self.staging[TO_DEVICE][0]
-            for _part, offset, width in self.parts:
-                scratch = torch.empty((1, width), dtype=torch.uint8, device=self.device)
+            for (_part, offset, width), scratch in zip(self.parts, self.scratch[TO_DEVICE]):
                 scratch.index_copy_(0, index[:1], rows[:1, offset : offset + width])
         for stream in self.streams.values():
             stream.synchronize()
@@ -521,7 +529,7 @@ class _StreamCopies:
         with torch.cuda.device(self.device):
             for stream in self.streams.values():
                 stream.synchronize()
-        self.staging, self.index_host, self.index_device = {}, {}, {}
+        self.staging, self.index_host, self.index_device, self.scratch = {}, {}, {}, {}
         self._destroy_streams()
 
     def _destroy_streams(self) -> None:

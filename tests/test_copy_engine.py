@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvtier_async as kt
 from kvtier_async import copy_engine
@@ -538,6 +539,8 @@ class StandInCuda:
         self.log: list[tuple[str, str]] = []
         self.entered: list[int] = []  # the stream of each launch
         self.waits: list[tuple[int, int]] = []  # (stream, the stream it waited for)
+        #: Per thread, the stream a stand-in `torch.cuda.stream(...)` made current (0: none).
+        self.current = threading.local()
 
     def note(self, what: str) -> None:
         self.log.append((what, threading.current_thread().name))
@@ -572,7 +575,11 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
     def stream(stream: StandInStream) -> Iterator[None]:
         cuda.note("launch")
         cuda.entered.append(stream.handle)
-        yield
+        cuda.current.stream = stream.handle
+        try:
+            yield
+        finally:
+            cuda.current.stream = 0
 
     monkeypatch.setattr(copy_engine, "_cuda_driver", lambda: cuda.driver)
 
@@ -736,3 +743,40 @@ def test_closing_the_stream_path_frees_its_buffers_before_it_destroys_their_stre
     events = [what.split()[0] for what, _ in stand_in_cuda.log]
     assert events == ["synchronize"] * 4 + ["destroy"] * 4
     assert driver.alive == set() and driver.retained == 0
+
+
+#: The aten ops that make a new tensor (what a caching allocator would serve).
+FACTORIES = {"empty", "empty_strided", "empty_like", "zeros", "zeros_like", "ones", "full", "new_empty"}
+
+
+class Allocations(TorchDispatchMode):
+    """Each tensor made while active, with the stand-in stream current on its thread then."""
+
+    def __init__(self, cuda: StandInCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+        self.made: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ in FACTORIES:
+            self.made.append((func.overloadpacket.__name__, getattr(self.cuda.current, "stream", 0)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_stream_path_allocates_nothing_while_a_copy_stream_is_current(
+    stand_in_cuda: StandInCuda,
+) -> None:
+    """The caching allocator ties a block (with expandable segments, its segment) to the stream
+    current when it was allocated, and synchronizes that stream when it gives the segment back:
+    a tensor allocated under a copy stream would, after close, synchronize a destroyed stream.
+    Every tensor the engine uses (the warm-up's scratch rows too) is made on the current
+    stream, before any copy stream is entered."""
+    layers = [torch.randint(0, 256, (8, width), dtype=torch.uint8) for width in (300, 604)]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=8)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    engine = CopyEngine(layers, primary, threads=1)
+    with Allocations(stand_in_cuda) as allocations:
+        backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    assert allocations.made and all(stream == 0 for _, stream in allocations.made), allocations.made
+    backend.close()
+    engine.close()
