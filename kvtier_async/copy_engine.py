@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -379,6 +380,7 @@ class _StreamCopies:
             torch.cuda.current_stream(device).synchronize()  # the zeros are there before any use
             self._driver = _DriverStreams(device)
             self._handles: dict[str, int] = {}
+            self.streams: dict[str, Any] = {}
             try:
                 # Per direction, kernels (index uploads, gathers or scatters) and DMA on streams
                 # apart: a chunk's DMA runs beside the next chunk's kernel.
@@ -389,8 +391,13 @@ class _StreamCopies:
                     for name, handle in self._handles.items()
                 }
                 self._warm(staging_blocks)
-            except BaseException:
-                self._destroy_streams()
+            except BaseException as exc:
+                # `_warm` may have queued kernels that still read and write our buffers: the
+                # streams are idle before a buffer is freed or a stream destroyed. The frames
+                # the error passed through still hold buffers (`_warm`'s locals): let go first.
+                traceback.clear_frames(exc.__traceback__)
+                with contextlib.suppress(Exception):  # then leaked, never freed in use;
+                    self._release()  # the caller sees why opening failed
                 raise
         self.nbytes = 2 * GPU_CHUNKS_IN_FLIGHT * staging_blocks * (stride + 2 * 8)
         # One thread queues every chunk, in call order: no launch from the event loop (a launch
@@ -526,6 +533,8 @@ class _StreamCopies:
         (the current one, not ours) at once: freed while a copy stream might still use it, a
         staging buffer could be written by two users.
         """
+        # If a stream cannot be synchronized (a broken context), this raises here: everything
+        # stays, leaked rather than freed or destroyed while in use.
         with torch.cuda.device(self.device):
             for stream in self.streams.values():
                 stream.synchronize()

@@ -780,3 +780,40 @@ def test_the_stream_path_allocates_nothing_while_a_copy_stream_is_current(
     assert allocations.made and all(stream == 0 for _, stream in allocations.made), allocations.made
     backend.close()
     engine.close()
+
+
+def test_a_stream_path_that_fails_to_open_frees_nothing_its_queued_work_may_still_use(
+    stand_in_cuda: StandInCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening failed after the warm-up had queued gathers into the staging buffers: every copy
+    stream made is synchronized before any buffer is freed or any stream destroyed, and the
+    caller sees why opening failed."""
+    layers = [torch.randint(0, 256, (8, 904), dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=8)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    engine = CopyEngine(layers, primary, threads=1)
+    buffers: list[weakref.ref[torch.Tensor]] = []
+
+    warm = copy_engine._StreamCopies._warm
+
+    def noted_warm(self: Any, staging_blocks: int) -> None:
+        buffers.extend(buffers_of(self))  # to see when they are freed
+        warm(self, staging_blocks)
+
+    def failing_scatter(self: torch.Tensor, *args: Any) -> torch.Tensor:
+        raise RuntimeError("the scatter's module failed to load")  # the gathers are queued
+
+    monkeypatch.setattr(copy_engine._StreamCopies, "_warm", noted_warm)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", failing_scatter)
+    driver = stand_in_cuda.driver
+    alive_at_destroy: list[int] = []
+    driver.before_destroy.append(lambda: alive_at_destroy.append(sum(b() is not None for b in buffers)))
+    driver.before_destroy.append(lambda: stand_in_cuda.note("destroy"))
+    stand_in_cuda.log.clear()
+    with pytest.raises(RuntimeError, match="failed to load"):
+        copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    assert buffers and alive_at_destroy == [0] * 4
+    events = [what.split()[0] for what, _ in stand_in_cuda.log if what != "launch"]
+    assert events == ["synchronize"] * 4 + ["destroy"] * 4
+    assert driver.alive == set() and driver.retained == 0
+    engine.close()
