@@ -339,8 +339,10 @@ class TieredKVCache(AsyncResource):
                 # Nothing touches the buffer any more: its pages go back on a worker thread.
                 await self.scheduler.run_blocking(self.primary.release_memory)
             finally:
-                self.copy_engine.close()
-                self.scheduler.close()
+                try:
+                    await self.copy_engine.aclose()
+                finally:
+                    self.scheduler.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -32,7 +32,10 @@ so that this logic is the same code, tested on CPU:
   only, never a copy stream (where it would hold every later chunk of every call); nothing
   else waits for the copy: the call returns after it completed. Completion is learned by a
   waiter thread blocking on the chunk's event (a blocking-sync event: it sleeps), then waking
-  the loop; the loop thread never synchronizes.
+  the loop; the loop thread never synchronizes. Nor does it make or destroy a CUDA object:
+  a chunk's end goes in its staging buffer's own event, made at open and recorded again per
+  chunk; a mark's event is let go of by its waiter (`Mark`); closing (`CopyEngine.aclose`)
+  runs on a worker thread.
 - Elsewhere (CPU tensors standing in for device memory, or an unpinned primary tier),
   `_ThreadCopies`: each chunk's copies run on a worker thread, which releases the GIL.
   CPU-to-CPU copies go through numpy, on the worker alone: torch would split each large copy
@@ -46,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import threading
 import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -88,6 +92,26 @@ TO_DEVICE = "to_device"
 
 #: A layer as [num_blocks, width] bytes, and its byte offset inside a slot.
 Part = tuple[torch.Tensor, int, int]
+
+
+class Mark:
+    """What a call's copies wait for (`CopyEngine.mark`); a call may wait for it more than once
+    (a load's hot and cold blocks), from any thread. The first wait that sees it done lets go
+    of the event, on that (waiter) thread: an event `mark` made then has its last reference
+    dropped there, so its `cudaEventDestroy` never runs on the event loop."""
+
+    __slots__ = ("_event", "_lock")
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+        self._lock = threading.Lock()
+
+    def wait(self, synchronize: Callable[[Any], None]) -> None:
+        """`synchronize(event)` unless a wait already saw it done (blocks: a worker thread's)."""
+        with self._lock:  # a second waiter meanwhile waits for the first one's outcome
+            if self._event is not None:
+                synchronize(self._event)
+                self._event = None
 
 
 def as_layer_list(kv_caches: Any) -> list[torch.Tensor]:
@@ -158,6 +182,7 @@ class CopyEngine:
         self.staging_blocks = max(1, STAGING_TARGET_BYTES // primary.stride)
         self._workers = WorkerThreads(threads, "kvtier-copy")
         self._backend: _Copies | None = None
+        self._backend_closed = False
         self._free: dict[str, asyncio.Queue[int]] = {}
         self.counters: Counter[str] = Counter()
         #: The most memory copies one chunk took, per direction (the counters hold the totals).
@@ -181,8 +206,8 @@ class CopyEngine:
         else:
             backend = _ThreadCopies(self.device, self._parts, self._primary, self._workers)
         if self._backend is not None:  # another call opened it meanwhile: ours goes
-            backend.close()  # (its streams are the driver's: nothing else would free them)
-            return
+            await self._workers.run(backend.close)  # (its streams are the driver's: nothing
+            return  # else would free them)
         self._backend = backend
         self._free = {d: asyncio.Queue() for d in (TO_HOST, TO_DEVICE)}
         for queue in self._free.values():
@@ -190,7 +215,7 @@ class CopyEngine:
                 queue.put_nowait(buffer)
 
     # -- what a copy waits for -----------------------------------------------------------------
-    def mark(self, on: Any, what: str) -> Any:
+    def mark(self, on: Any, what: str) -> Mark | None:
         """At a call's entry, on the calling thread: what its copies must wait for.
 
         `on` is a `torch.cuda.Event` (used as it is), a `torch.cuda.Stream` (an event recorded
@@ -211,12 +236,12 @@ class CopyEngine:
                 f"{what} must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(on).__name__}"
             )
         if isinstance(on, torch.cuda.Event):
-            return on
+            return Mark(on)
         with torch.cuda.device(self.device):
             stream = on if on is not None else torch.cuda.current_stream(self.device)
             event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             event.record(stream)
-        return event
+        return Mark(event)
 
     # -- the copies ----------------------------------------------------------------------------
     async def to_host(self, device_ids: Sequence[int], slots: Sequence[int], after: Any = None) -> None:
@@ -292,9 +317,19 @@ class CopyEngine:
             "memcpy_calls_max_per_chunk": dict(self._most_copies),
         }
 
+    async def aclose(self) -> None:
+        """`close`, with the backend's closing (on a GPU: driver calls, the frees of events and
+        buffers) on a worker thread, not the event loop's."""
+        if self._backend is not None and not self._backend_closed:
+            self._backend_closed = True
+            await self._workers.run(self._backend.close)
+        self.close()
+
     def close(self) -> None:
+        """Off the event loop where it has streams (`aclose`): it waits until they are idle."""
         self._workers.close()
-        if self._backend is not None:
+        if self._backend is not None and not self._backend_closed:
+            self._backend_closed = True
             self._backend.close()
 
 
@@ -373,6 +408,13 @@ class _StreamCopies:
                 ]
                 for d in (TO_HOST, TO_DEVICE)
             }
+            # Per staging buffer, the event its chunk's end is recorded in, again at each use:
+            # a buffer is used again only once the host saw its last end (`finish`), so no
+            # thread still waits for the event then; none is made or destroyed per chunk.
+            self.ends = {
+                d: [torch.cuda.Event(blocking=True) for _ in range(GPU_CHUNKS_IN_FLIGHT)]  # type: ignore[no-untyped-call]
+                for d in (TO_HOST, TO_DEVICE)
+            }
             # `_warm`'s scatters write here, never into the model's blocks.
             self.scratch = {
                 TO_DEVICE: [torch.empty((1, width), dtype=torch.uint8, device=device) for *_, width in parts]
@@ -445,7 +487,7 @@ class _StreamCopies:
         return _slot_ordered_chunks(direction, sources, targets, step, MAX_RUNS_PER_CHUNK)
 
     async def wait_for(self, mark: Any) -> None:
-        await self._mark_waiters.run(self._wait, mark)
+        await self._mark_waiters.run(self._wait_mark, mark)
 
     async def start(
         self, direction: str, buffer: int, sources: list[int], targets: list[int]
@@ -489,32 +531,43 @@ class _StreamCopies:
                     for part, offset, width in self.parts:
                         part.index_copy_(0, index_device, rows[:, offset : offset + width])
                 last = kernels
-        return self._record_end(last), copies
-
-    def _record_end(self, stream: Any) -> Any:
-        """An event after all that `stream` holds (its waiter sleeps)."""
+        end = self.ends[direction][buffer]
         with torch.cuda.device(self.device):
-            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-            done.record(stream)
-        return done
+            end.record(last)
+        return end, copies
 
     def _record_ends(self, direction: str) -> list[Any]:
-        return [self._record_end(self.streams[f"{direction}/{role}"]) for role in ("kernels", "dma")]
+        """Events after all that the direction's streams hold (their waiter sleeps)."""
+        ends = []
+        with torch.cuda.device(self.device):
+            for role in ("kernels", "dma"):
+                ends.append(torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
+                ends[-1].record(self.streams[f"{direction}/{role}"])
+        return ends
 
     def finish(self, handle: Any) -> Awaitable[None]:
-        return self._waiters.run(self._wait, handle)
+        return self._waiters.run(self._wait, handle)  # the buffer's own event: it stays
 
     async def drain(self, direction: str) -> None:
-        # Through the submit thread: after whatever it had queued when `start` raised.
-        for end in await self._submit.run(self._record_ends, direction):
-            await self.finish(end)
+        # Through the submit thread: after whatever it had queued when `start` raised. The
+        # waiter takes the events out of the list: their last references go there.
+        ends = await self._submit.run(self._record_ends, direction)
+        await self._waiters.run(self._wait_each, ends)
 
     def _wait(self, event: Any) -> None:
         with torch.cuda.device(self.device):
             event.synchronize()
 
+    def _wait_mark(self, mark: Mark) -> None:
+        mark.wait(self._wait)
+
+    def _wait_each(self, events: list[Any]) -> None:
+        while events:
+            self._wait(events.pop())
+
     def close(self) -> None:
-        """Once every copy queued has ended (the cache's calls have all returned)."""
+        """Once every copy queued has ended (the cache's calls have all returned); blocks, in
+        driver calls: off the event loop (`CopyEngine.aclose`)."""
         self._submit.close()
         self._waiters.close()
         self._mark_waiters.close()
@@ -539,6 +592,7 @@ class _StreamCopies:
             for stream in self.streams.values():
                 stream.synchronize()
         self.staging, self.index_host, self.index_device, self.scratch = {}, {}, {}, {}
+        self.ends = {}
         self._destroy_streams()
 
     def _destroy_streams(self) -> None:
@@ -654,11 +708,11 @@ class _ThreadCopies:
         """Device blocks, host memory not pinned: their producer's (or readers') work ends first."""
         await self.mark_waiters.run(self._wait, mark)
 
-    def _wait(self, mark: Any) -> None:
+    def _wait(self, mark: Mark) -> None:
         # Under the cache's device: waiting from a thread with none set would make this process
         # a context on the current device (0) on the way.
         with torch.cuda.device(self.device):
-            mark.synchronize()
+            mark.wait(_synchronize)
 
     async def start(
         self, direction: str, buffer: int, sources: list[int], targets: list[int]
@@ -702,6 +756,10 @@ class _ThreadCopies:
 
     def close(self) -> None:
         self.mark_waiters.close()
+
+
+def _synchronize(event: Any) -> None:
+    event.synchronize()
 
 
 async def _all_ended(finishing: list[asyncio.Future[None]]) -> list[Any]:

@@ -564,12 +564,18 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
     class Event:
         def __init__(self, **kwargs: object) -> None:
             self.blocking = kwargs.get("blocking", False)
+            self.stream: int | None = None  # where it was last recorded
+            cuda.note("make event")
 
-        def record(self, stream: object) -> None:
+        def record(self, stream: StandInStream) -> None:
+            self.stream = stream.handle
             cuda.note("record")
 
         def synchronize(self) -> None:
             cuda.note("mark" if getattr(self, "is_mark", False) else "end")
+
+        def __del__(self) -> None:
+            cuda.note("drop event")
 
     @contextlib.contextmanager
     def stream(stream: StandInStream) -> Iterator[None]:
@@ -627,7 +633,7 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
     mark = torch.cuda.Event(blocking=True)
     mark.is_mark = True  # type: ignore[attr-defined]
     loop_thread = threading.current_thread().name
-    await engine.to_host(device_ids, slots, mark)
+    await engine.to_host(device_ids, slots, copy_engine.Mark(mark))
     # Per chunk: the gathers on the kernel stream, then the DMA stream waits for them (for them
     # only: nothing else orders the two) and copies to the host.
     kernels, dma = streams["to_host/kernels"], streams["to_host/dma"]
@@ -661,8 +667,9 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
     assert stand_in_cuda.threads("launch") == {"kvtier-cuda-submit"}, stand_in_cuda.log
     assert stand_in_cuda.threads("record") == {"kvtier-cuda-submit"}
     assert stand_in_cuda.threads("mark") == {"kvtier-cuda-mark"}
-    assert stand_in_cuda.log[0][0] == "mark"  # before anything was queued
-    assert loop_thread not in {thread for _, thread in stand_in_cuda.log}
+    queued = [what for what, _ in stand_in_cuda.log if what not in ("make event", "drop event")]
+    assert queued[0] == "mark"  # before anything was queued
+    assert loop_thread not in {thread for what, thread in stand_in_cuda.log if what != "make event"}
     driver = stand_in_cuda.driver
     made = [call for call in driver.calls if call[0] == "create"]
     assert made == [("create", 1, [FakeDriver.CONTEXT])] * 4  # non-blocking, in the primary context
@@ -740,7 +747,7 @@ def test_closing_the_stream_path_frees_its_buffers_before_it_destroys_their_stre
     stand_in_cuda.log.clear()
     engine.close()
     assert alive_at_destroy == [0] * 4
-    events = [what.split()[0] for what, _ in stand_in_cuda.log]
+    events = [w.split()[0] for w, _ in stand_in_cuda.log if w.split()[0] in ("synchronize", "destroy")]
     assert events == ["synchronize"] * 4 + ["destroy"] * 4
     assert driver.alive == set() and driver.retained == 0
 
@@ -813,7 +820,46 @@ def test_a_stream_path_that_fails_to_open_frees_nothing_its_queued_work_may_stil
     with pytest.raises(RuntimeError, match="failed to load"):
         copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
     assert buffers and alive_at_destroy == [0] * 4
-    events = [what.split()[0] for what, _ in stand_in_cuda.log if what != "launch"]
+    events = [w.split()[0] for w, _ in stand_in_cuda.log if w.split()[0] in ("synchronize", "destroy")]
     assert events == ["synchronize"] * 4 + ["destroy"] * 4
     assert driver.alive == set() and driver.retained == 0
     engine.close()
+
+
+@pytest.mark.asyncio
+async def test_the_stream_path_makes_and_destroys_no_cuda_object_on_the_loop(
+    stand_in_cuda: StandInCuda,
+) -> None:
+    """Issue 68, CUDA review finding 6: a chunk's end is recorded in its staging buffer's own
+    event, made at open, so calls make no events; the default marks' last references go on
+    their waiter thread; closing (stream synchronizes, the events' and buffers' frees, the
+    driver's stream destroys and context release) runs on a worker thread."""
+    layers = [torch.randint(0, 256, (24, 904), dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=16)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    engine = CopyEngine(layers, primary, threads=1)
+    engine.staging_blocks = 3
+    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    with_backend(engine, backend)
+    made_at_open = [what for what, _ in stand_in_cuda.log].count("make event")
+    assert made_at_open == 2 * copy_engine.GPU_CHUNKS_IN_FLIGHT
+    driver = stand_in_cuda.driver
+    driver.before_destroy.append(lambda: stand_in_cuda.note("destroy"))
+    stand_in_cuda.log.clear()
+    engine.device = torch.device("cuda", 0)  # `mark` makes an event, as on a GPU
+    for _ in range(2):
+        await engine.to_host(list(range(10)), list(range(10)), engine.mark(None, "after"))
+        await engine.to_device(list(range(10)), list(range(12, 22)), engine.mark(None, "consumer"))
+    made = [thread for what, thread in stand_in_cuda.log if what == "make event"]
+    assert len(made) == 4  # the marks only (the caller's, on its thread): none per chunk
+    ends = [event.stream for event in backend.ends["to_host"] + backend.ends["to_device"]]
+    dma, kernels = backend.streams["to_host/dma"].handle, backend.streams["to_device/kernels"].handle
+    assert ends == [dma] * 3 + [kernels] * 3  # each recorded where its chunk ends
+    await engine.aclose()
+    loop_thread = threading.current_thread().name
+    on_the_loop = [what for what, thread in stand_in_cuda.log if thread == loop_thread]
+    assert on_the_loop == ["make event", "record"] * 4, on_the_loop  # the four marks, nothing else
+    dropped = [what for what, _ in stand_in_cuda.log if what == "drop event"]
+    assert len(dropped) == 4 + 2 * copy_engine.GPU_CHUNKS_IN_FLIGHT  # the marks, then the ends
+    assert [what for what, _ in stand_in_cuda.log].count("destroy") == 4
+    assert driver.alive == set() and driver.retained == 0
