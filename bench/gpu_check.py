@@ -337,7 +337,7 @@ async def check_orderings(device: torch.device) -> None:
         produce(1)
         outcomes["after=Stream"] = await counted(cache.store(keys[0], sources, after=side))
         produce(2)
-        produced = torch.cuda.Event()
+        produced = torch.cuda.Event(blocking=True)  # its waiter sleeps (see `mark`)
         produced.record(side)
         outcomes["after=Event"] = await counted(cache.store(keys[1], sources, after=produced))
         outcomes["default, model thread"] = await asyncio.to_thread(from_model_thread)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import queue
 import threading
 import traceback
 from collections import Counter
@@ -60,7 +61,7 @@ from typing import Any, Protocol
 import numpy
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import ClosedError, InvalidArgumentError
 from .primary import PrimaryTier
 from .workers import WorkerThreads, wait_uncancellable
 
@@ -84,8 +85,9 @@ STAGING_TARGET_BYTES = 16 << 20
 #: launches stay far below the device's queue of pending launches (about a thousand, past which
 #: a launch blocks its thread), even with small blocks scattered over the slots.
 MAX_RUNS_PER_CHUNK = 256
-#: Calls of a GPU cache waiting for their marks at once (each on a thread; more wait in turn).
-MARK_WAITERS = 4
+#: Calls of a cache waiting for their marks at once, at most (each on a thread of its own,
+#: started as calls need them; more wait in turn).
+MARK_WAITERS = 64
 
 TO_HOST = "to_host"
 TO_DEVICE = "to_device"
@@ -210,9 +212,9 @@ class CopyEngine:
             return  # else would free them)
         self._backend = backend
         self._free = {d: asyncio.Queue() for d in (TO_HOST, TO_DEVICE)}
-        for queue in self._free.values():
+        for free in self._free.values():
             for buffer in range(backend.chunks_in_flight):
-                queue.put_nowait(buffer)
+                free.put_nowait(buffer)
 
     # -- what a copy waits for -----------------------------------------------------------------
     def mark(self, on: Any, what: str) -> Mark | None:
@@ -449,7 +451,7 @@ class _StreamCopies:
         # Each call waits for its producer (or consumer) here, on the host, before its first
         # chunk is queued: a copy stream that waited on the device would hold every later chunk
         # of every other call behind that one call's producer.
-        self._mark_waiters = WorkerThreads(MARK_WAITERS, "kvtier-cuda-mark")
+        self._mark_waiters = _MarkWaiters(MARK_WAITERS, "kvtier-cuda-mark")
 
     def _warm(self, staging_blocks: int) -> None:
         """Launch every kernel the copies use once, now, on the copy streams, and wait for them.
@@ -675,6 +677,70 @@ def _cuda_driver() -> Any:
     return ctypes.CDLL("libcuda.so.1")
 
 
+class _MarkWaiters:
+    """Threads that wait for calls' marks, one call each, so that a call whose producer is slow
+    holds no other call's wait: a waiter that takes a call and leaves no thread idle starts
+    another, up to `most` (past that, calls wait in turn). Threads are started off the event
+    loop (`Thread.start` waits for the new thread to run): the first from the default
+    executor, the others by a waiter. A waiter sleeps in `cudaEventSynchronize` where the
+    event is blocking-sync (`CopyEngine.mark` makes its own so; a caller's `after=` /
+    `consumer=` event should be made with `blocking=True` too: CUDA busy-waits on any
+    other, a CPU core spinning per call waiting)."""
+
+    def __init__(self, most: int, name: str) -> None:
+        self.most = most
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Future[None], Callable[[], None]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.threads = 0
+        self._idle = 0
+        self._closed = False
+
+    async def run(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` on a waiter thread; returns (or raises) once it has finished."""
+        if self._closed:
+            raise ClosedError(f"{self.name} threads are closed")
+        if self.threads == 0:
+            await asyncio.get_running_loop().run_in_executor(None, self._first)
+        future: Future[None] = Future()
+        self._jobs.put((future, partial(fn, *args)))
+        await wait_uncancellable(asyncio.wrap_future(future))
+
+    def _first(self) -> None:
+        with self._lock:
+            if self.threads == 0 and not self._closed:
+                self._start()
+
+    def _start(self) -> None:  # under the lock
+        self.threads += 1
+        self._idle += 1
+        threading.Thread(target=self._serve, name=f"{self.name}_{self.threads - 1}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self._idle -= 1
+                if self._idle == 0 and self.threads < self.most and not self._closed:
+                    self._start()  # the next call does not wait behind this one
+            future, fn = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    fn()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        """Let the threads exit once the calls queued are done; never blocks."""
+        with self._lock:
+            self._closed = True
+            for _ in range(self.threads):
+                self._jobs.put(None)
+
+
 class _ThreadCopies:
     """Chunks copied by worker threads (numpy for host to host, torch otherwise)."""
 
@@ -696,7 +762,7 @@ class _ThreadCopies:
         )
         # Not the copy threads: a call whose producer is slow would hold one while others'
         # copies wait. Started only if a mark ever comes (device blocks, host memory unpinned).
-        self.mark_waiters = WorkerThreads(MARK_WAITERS, "kvtier-copy-mark")
+        self.mark_waiters = _MarkWaiters(MARK_WAITERS, "kvtier-copy-mark")
 
     def chunks(
         self, direction: str, sources: list[int], targets: list[int], step: int

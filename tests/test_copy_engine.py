@@ -863,3 +863,40 @@ async def test_the_stream_path_makes_and_destroys_no_cuda_object_on_the_loop(
     assert len(dropped) == 4 + 2 * copy_engine.GPU_CHUNKS_IN_FLIGHT  # the marks, then the ends
     assert [what for what, _ in stand_in_cuda.log].count("destroy") == 4
     assert driver.alive == set() and driver.retained == 0
+
+
+@pytest.mark.asyncio
+async def test_calls_with_slow_producers_hold_no_other_calls_wait_for_its_mark(
+    stand_in_cuda: StandInCuda,
+) -> None:
+    """Issue 68, CUDA review finding 4: five calls whose producers have not finished (more than
+    the mark waiters there used to be) do not hold a later call's wait for its own mark: mark
+    waiters are started as calls need them, up to `MARK_WAITERS`."""
+    layers = [torch.randint(0, 256, (16, 904), dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=16)
+    primary = kt.PrimaryTier(spec, pin_memory=False)
+    engine = CopyEngine(layers, primary, threads=1)
+    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    with_backend(engine, backend)
+    produced = threading.Event()
+
+    class Producer:
+        """A producer's event: its work ends when the test says so."""
+
+        def synchronize(self) -> None:
+            produced.wait()
+
+    class Done:
+        def synchronize(self) -> None:
+            pass
+
+    slow = [asyncio.ensure_future(engine.to_host([i], [i], copy_engine.Mark(Producer()))) for i in range(5)]
+    fast = asyncio.ensure_future(engine.to_host([8], [8], copy_engine.Mark(Done())))
+    # A guard against hanging, not a timing check: the fast call needs no slow one to end.
+    finished, _ = await asyncio.wait({fast}, timeout=30)
+    produced.set()
+    await asyncio.gather(fast, *slow)
+    assert fast in finished and not any(task in finished for task in slow)
+    assert torch.equal(primary.buffer[8][:904], layers[0][8])
+    assert 6 <= backend._mark_waiters.threads <= copy_engine.MARK_WAITERS
+    await engine.aclose()
