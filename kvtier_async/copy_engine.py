@@ -663,8 +663,11 @@ class _DriverStreams:
         self._check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
         try:
             yield
-        finally:
-            self._check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+        except BaseException:
+            # Popped, unchecked: the body's error is what the caller must see, not the pop's.
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            raise
+        self._check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
 
     @staticmethod
     def _check(result: int, call: str) -> None:

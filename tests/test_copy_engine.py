@@ -900,3 +900,30 @@ async def test_calls_with_slow_producers_hold_no_other_calls_wait_for_its_mark(
     assert torch.equal(primary.buffer[8][:904], layers[0][8])
     assert 6 <= backend._mark_waiters.threads <= copy_engine.MARK_WAITERS
     await engine.aclose()
+
+
+def test_a_driver_call_that_fails_is_the_error_seen_even_when_the_context_pop_fails_too(
+    stand_in_cuda: StandInCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 68, CUDA review finding 7: the context pushed around a driver call is popped
+    whatever happens, but a failed pop after a failed call must not hide why the call failed
+    (a pop that fails after a call that worked is still raised)."""
+    driver = stand_in_cuda.driver
+    streams = copy_engine._DriverStreams(torch.device("cpu"))
+    pop = driver.cuCtxPopCurrent_v2
+
+    def failing_pop(out: Any) -> int:
+        pop(out)
+        return 201  # CUDA_ERROR_INVALID_CONTEXT
+
+    monkeypatch.setattr(driver, "cuCtxPopCurrent_v2", failing_pop)
+    monkeypatch.setattr(driver, "cuStreamCreate", lambda out, flags: 2)  # CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(RuntimeError, match="cuStreamCreate failed: CUresult 2"):
+        streams.create()
+    assert driver.current == []  # popped all the same
+    monkeypatch.setattr(driver, "cuStreamDestroy_v2", lambda stream: 0)
+    with pytest.raises(RuntimeError, match="cuCtxPopCurrent failed: CUresult 201"):
+        streams.destroy(0x10)
+    assert driver.current == []
+    streams.release()
+    assert driver.retained == 0
