@@ -170,7 +170,9 @@ class TieredKVCache(AsyncResource):
         calls' work: stores are best effort.
 
         `after` says what produced those blocks, so that the copy reads them only once that
-        is done: a `torch.cuda.Event`, or a `torch.cuda.Stream` (its work queued so far). The
+        is done: a `torch.cuda.Event` (recorded before the call, and not recorded again until
+        it returns: the copy waits for its latest record), or a `torch.cuda.Stream` (its work
+        queued so far). The
         default is the work queued so far on the calling thread's current stream of the
         cache's device, at the moment of the call: pass the stream explicitly when the model
         writes its KV from another thread or on a side stream. On a machine without CUDA,
@@ -238,7 +240,8 @@ class TieredKVCache(AsyncResource):
         holding them (promoted into the primary tier on the way). With a
         `timeout` (seconds), returns the prefix complete by then.
 
-        `consumer` is the `torch.cuda.Stream` that will read the blocks (or an event): the copy
+        `consumer` is the `torch.cuda.Stream` that will read the blocks (or an event, recorded
+        before the call and not again until it returns, as for `store`'s `after`): the copy
         first waits for the work queued there so far (the device blocks' earlier readers);
         default: the calling thread's current stream of the cache's device, at the moment of
         the call. The blocks are complete when the call returns, for work queued afterwards

@@ -226,6 +226,15 @@ class CopyEngine:
         and `on` must be None too. A thread waits for the mark (`_Copies.wait_for`): the
         events made here are blocking-sync, so it sleeps; an event the caller made is waited
         for as it was made (made with `blocking=True`, the thread sleeps too).
+
+        A caller's event is waited for later, by that thread, and CUDA waits for an event's
+        most recent record at the time of the wait, returning at once for one never recorded
+        (`cudaEventSynchronize`; PyTorch's `CUDAEvent::synchronize` does not even call it
+        before the first record). So it must be recorded before the call (checked: refused
+        otherwise) and not recorded again until the call returns (documented: recorded again
+        meanwhile, the copy may wait for the new record's work instead). Taking a snapshot
+        instead (a stream of ours waiting for it, an event recorded after) would order every
+        call's mark on that one stream, where a slow producer holds every later call.
         """
         if self.device.type != "cuda":
             if on is not None:
@@ -238,6 +247,8 @@ class CopyEngine:
                 f"{what} must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(on).__name__}"
             )
         if isinstance(on, torch.cuda.Event):
+            if not on.cuda_event:  # made at its first record
+                raise InvalidArgumentError(f"{what}: the event was never recorded; record it before the call")
             return Mark(on)
         with torch.cuda.device(self.device):
             stream = on if on is not None else torch.cuda.current_stream(self.device)

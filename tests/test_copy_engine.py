@@ -329,10 +329,12 @@ class StubEvent:
     def __init__(self, **kwargs: object) -> None:
         self.recorded_on: StubStream | None = None
         self.waited_under: object = None  # the device set on the thread that waited for it
+        self.cuda_event = 0  # PyTorch makes the CUDA event at the first record
         StubEvent.made.append(self)
 
     def record(self, stream: StubStream) -> None:
         self.recorded_on = stream
+        self.cuda_event = 0xE0
 
     def synchronize(self) -> None:
         self.waited_under = getattr(CURRENT, "device", "none set")
@@ -927,3 +929,28 @@ def test_a_driver_call_that_fails_is_the_error_seen_even_when_the_context_pop_fa
     assert driver.current == []
     streams.release()
     assert driver.retained == 0
+
+
+def test_an_event_never_recorded_is_refused_at_the_call(stub_cuda_marks: type[StubEvent]) -> None:
+    """Issue 68, CUDA review finding 5: CUDA's wait for an event never recorded returns at once,
+    so an `after=` / `consumer=` event not yet recorded would let the copy run before its
+    producer: refused at the call, before any change; a recorded one is taken as it is."""
+    layers = [torch.zeros(8, 4096, dtype=torch.uint8)]
+    spec = kt.OffloadingSpec(block_nbytes=4096, num_cpu_blocks=8)
+    cache = kt.TieredKVCache(spec, layers)
+    cache.copy_engine.device = torch.device("cuda", 0)
+    keys = kt.block_hashes(range(16 * 2), 16, namespace=spec.namespace)
+    event = torch.cuda.Event(blocking=True)
+    with pytest.raises(kt.InvalidArgumentError, match="after: the event was never recorded"):
+        cache.store(keys, [0, 1], after=event)
+    with pytest.raises(kt.InvalidArgumentError, match="consumer: the event was never recorded"):
+        cache.load(keys, [0, 1], consumer=event)
+    assert cache.stats()["load_calls"] == 0
+    event.record(torch.cuda.current_stream())
+    mark = cache.copy_engine.mark(event, "after")
+    waited: list[object] = []
+    assert mark is not None
+    mark.wait(waited.append)
+    mark.wait(waited.append)  # seen done once: not waited for again
+    assert waited == [event]
+    cache.copy_engine.close()
