@@ -28,8 +28,16 @@ Checks:
    with `run_coroutine_threadsafe`, and `consumer=` (a queued reader still sees the old
    bytes); byte-exact; no device allocation in any call once open; two memory copies per
    chunk of neighbouring slots.
-4. no sync on the loop: `torch.cuda.set_sync_debug_mode("error")` around store and load; a
-   0.5 s sleep on an unrelated stream does not delay them.
+4. no sync on the loop: `torch.cuda.set_sync_debug_mode("error")` around store and load, and
+   every `Event.synchronize` / `Stream.synchronize` / `torch.cuda.synchronize` noted if made on
+   the loop's thread (sync-debug mode never sees `cudaEventSynchronize`); a 0.5 s sleep on an
+   unrelated stream does not delay them.
+4b. close and free: a cache stored into and loaded from, closed and dropped; then
+   `gc.collect()`, `torch.cuda.synchronize()` and `torch.cuda.empty_cache()` raise nothing and
+   the device memory allocated is back to what it was before the cache (its buffers are freed
+   before its streams are destroyed); run again in a child process with
+   `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, where a block allocated under a copy
+   stream would make `empty_cache` synchronize a destroyed stream.
 5. overlap, measured: CUDA events around each chunk's copy, anchored to `perf_counter`,
    intersected with the I/O intervals of a tier throttled to the copy's speed; each side a
    union of intervals, so the figure cannot exceed 100%.
@@ -46,14 +54,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import os
 import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -376,6 +387,41 @@ async def check_orderings(device: torch.device) -> None:
 
 
 # -- 4. no sync on the loop ---------------------------------------------------------------------
+@contextlib.contextmanager
+def syncs_on_this_thread() -> Iterator[list[str]]:
+    """Every host wait for the device made on the calling thread (the event loop's) while active:
+    `torch.cuda.Event.synchronize`, `torch.cuda.Stream.synchronize` (the copy streams'
+    `ExternalStream` too) and `torch.cuda.synchronize`, by name. Sync-debug mode cannot see the
+    first: PyTorch's `CUDAEvent::synchronize` calls `cudaEventSynchronize` without
+    `warn_or_error_on_sync` (c10/cuda/CUDAEvent.h), which only stream and device synchronizes
+    and synchronizing copies call (c10/cuda/CUDAFunctions.h)."""
+    thread = threading.get_ident()
+    seen: list[str] = []
+
+    def noted(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == thread:
+                seen.append(name)
+            return original(*args, **kwargs)
+
+        return call
+
+    patched = [
+        (torch.cuda.Event, "synchronize"),
+        (torch.cuda.Stream, "synchronize"),
+        (torch.cuda, "synchronize"),
+    ]
+    originals = [getattr(owner, attr) for owner, attr in patched]
+    for (owner, attr), original in zip(patched, originals):
+        name = f"{getattr(owner, '__name__', 'torch.cuda').rsplit('.', 1)[-1]}.{attr}"
+        setattr(owner, attr, noted(name, original))
+    try:
+        yield seen
+    finally:
+        for (owner, attr), original in zip(patched, originals):
+            setattr(owner, attr, original)
+
+
 async def check_no_sync(device: torch.device) -> None:
     if device.type != "cuda":
         report("no sync on the loop", "SKIP", "no CUDA device")
@@ -393,8 +439,9 @@ async def check_no_sync(device: torch.device) -> None:
         started = time.perf_counter()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            stored = await cache.store(keys, list(range(32)))
-            loaded = await cache.load(keys, list(range(32, 64)))
+            with syncs_on_this_thread() as on_the_loop:
+                stored = await cache.store(keys, list(range(32)))
+                loaded = await cache.load(keys, list(range(32, 64)))
         except RuntimeError as exc:
             error = exc
         finally:
@@ -402,12 +449,60 @@ async def check_no_sync(device: torch.device) -> None:
         took = time.perf_counter() - started
         sync(device)
         exact = error is None and bool(torch.equal(layers[0][32:64], layers[0][:32]))
-    ok = error is None and stored == 32 and loaded == 32 and exact and took < 0.4
+    ok = error is None and not on_the_loop and stored == 32 and loaded == 32 and exact and took < 0.4
     report(
         "no sync on the loop",
         "PASS" if ok else "FAIL",
-        f"store+load {took * 1e3:.1f} ms beside a 500 ms sleep on another stream; exact {exact}"
+        f"store+load {took * 1e3:.1f} ms beside a 500 ms sleep on another stream; exact {exact}; "
+        f"host waits on the loop's thread: {on_the_loop or 'none'}"
         + (f"; sync error: {error}" if error else ""),
+    )
+
+
+# -- 4b. close and free -------------------------------------------------------------------------
+async def close_and_free(device: torch.device) -> tuple[bool, str]:
+    """A cache used, closed and dropped; then collected, synchronized and emptied: (ok, what)."""
+    layers = [torch.randint(0, 256, (16, 1 << 16), dtype=torch.uint8, device=device)]
+    spec = kt.OffloadingSpec(block_nbytes=1 << 16, num_cpu_blocks=16, namespace="gpu-check-close")
+    keys = kt.block_hashes(range(16 * 8), 16, namespace=spec.namespace)
+    sync(device)
+    before = torch.cuda.memory_allocated(device)
+    cache = kt.TieredKVCache(spec, layers)
+    async with cache:
+        stored = await cache.store(keys, list(range(8)))
+        loaded = await cache.load(keys, list(range(8, 16)))
+    exact = stored == loaded == 8 and bool(torch.equal(layers[0][8:16], layers[0][:8]))
+    del cache
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize(device)
+    after = torch.cuda.memory_allocated(device)
+    ok = exact and after == before
+    return ok, f"exact {exact}; device memory allocated {before} before the cache, {after} after"
+
+
+async def check_close_and_free(device: torch.device) -> None:
+    if device.type != "cuda":
+        report("close and free", "SKIP", "no CUDA device")
+        return
+    ok, what = await close_and_free(device)
+    # Again where the caching allocator maps expandable segments per stream: set before CUDA
+    # starts, so in a child process.
+    child = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, __file__, "--close-and-free-only"],
+        env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    child_ok = child.returncode == 0
+    tail = (child.stdout + child.stderr).strip().splitlines()[-1:] or ["no output"]
+    report(
+        "close and free",
+        "PASS" if ok and child_ok else "FAIL",
+        f"{what}; with expandable_segments:True: exit {child.returncode} ({tail[0]})",
     )
 
 
@@ -594,7 +689,14 @@ async def best_of(n: int, device: torch.device, call: Callable[[], Awaitable[Non
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="reduced sizes; CPU tensors without CUDA")
+    parser.add_argument("--close-and-free-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.close_and_free_only:  # check 4b's child process
+        device = torch.device("cuda", torch.cuda.device_count() - 1)
+        torch.cuda.set_device(device)
+        ok, what = await close_and_free(device)
+        print(what)
+        sys.exit(0 if ok else 1)
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.device_count() - 1)  # not GPU 0 where there are several
         torch.cuda.set_device(device)
@@ -609,6 +711,7 @@ async def main() -> None:
             ("producer ordering", lambda: check_producer_ordering(device)),
             ("orderings", lambda: check_orderings(device)),
             ("no sync on the loop", lambda: check_no_sync(device)),
+            ("close and free", lambda: check_close_and_free(device)),
             ("overlap", lambda: check_overlap(device)),
             ("throughput", lambda: check_throughput(device, args.small)),
         ]

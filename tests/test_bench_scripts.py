@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import site
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import servers
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 #: The disk scripts' size for a smoke run: megabytes, not the records' 32-block minimum, and two
@@ -99,7 +101,33 @@ def test_gpu_check_runs_on_the_cpu_fallback() -> None:
         env={**os.environ, "PYTHONPATH": os.pathsep.join(site.getsitepackages())},
     ).stdout
     assert "PASS round trips" in out and "INFO throughput" in out and "(CPU tensors: not asserted)" in out
-    assert out.count("SKIP") == 5 and "FAIL" not in out and "PASS throughput" not in out
+    assert out.count("SKIP") == 6 and "FAIL" not in out and "PASS throughput" not in out
+
+
+def test_gpu_checks_sync_probe_notes_host_waits_made_on_the_loops_thread_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Check 4's probe for what sync-debug mode cannot see (`cudaEventSynchronize`): an event's,
+    a stream's or the device's synchronize on the loop's thread is noted; the same on a worker
+    thread (where the copy engine's waiters wait) is not; the originals come back after."""
+    gpu_check = import_bench("gpu_check")
+    waited: list[str] = []
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: waited.append("event"))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: waited.append("stream"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append("device"))
+    originals = (torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize, torch.cuda.synchronize)
+
+    async def calls() -> list[str]:
+        with gpu_check.syncs_on_this_thread() as seen:
+            await asyncio.to_thread(torch.cuda.Event.synchronize, object())  # a waiter: fine
+            torch.cuda.Event.synchronize(object())
+            torch.cuda.Stream.synchronize(object())
+            torch.cuda.synchronize()
+        return seen
+
+    assert asyncio.run(calls()) == ["Event.synchronize", "Stream.synchronize", "cuda.synchronize"]
+    assert waited == ["event", "event", "stream", "device"]
+    assert (torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize, torch.cuda.synchronize) == originals
 
 
 def test_gpu_checks_overlap_figure_cannot_exceed_the_shorter_side() -> None:
