@@ -712,12 +712,13 @@ class _MarkWaiters:
 
     async def run(self, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args)` on a waiter thread; returns (or raises) once it has finished."""
-        if self._closed:
-            raise ClosedError(f"{self.name} threads are closed")
-        if self.threads == 0:
+        if self.threads == 0 and not self._closed:
             await asyncio.get_running_loop().run_in_executor(None, self._first)
         future: Future[None] = Future()
-        self._jobs.put((future, partial(fn, *args)))
+        with self._lock:  # queued before `close`'s stops (then served), or refused
+            if self._closed:
+                raise ClosedError(f"{self.name} threads are closed")
+            self._jobs.put((future, partial(fn, *args)))
         await wait_uncancellable(asyncio.wrap_future(future))
 
     def _first(self) -> None:

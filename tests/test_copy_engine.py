@@ -954,3 +954,15 @@ def test_an_event_never_recorded_is_refused_at_the_call(stub_cuda_marks: type[St
     mark.wait(waited.append)  # seen done once: not waited for again
     assert waited == [event]
     cache.copy_engine.close()
+
+
+@pytest.mark.asyncio
+async def test_mark_waiters_refuse_calls_once_closed_and_serve_those_queued_before() -> None:
+    waiters = copy_engine._MarkWaiters(2, "kvtier-test-mark")
+    ran: list[int] = []
+    await waiters.run(ran.append, 1)
+    assert waiters.threads == 2  # the one that ran it left none idle: a second was started
+    waiters.close()
+    with pytest.raises(kt.ClosedError):
+        await waiters.run(ran.append, 2)
+    assert ran == [1]
