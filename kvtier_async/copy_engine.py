@@ -723,20 +723,26 @@ class _MarkWaiters:
 
     def _first(self) -> None:
         with self._lock:
-            if self.threads == 0 and not self._closed:
-                self._start()
+            name = self._reserve() if self.threads == 0 and not self._closed else None
+        self._start(name)
 
-    def _start(self) -> None:  # under the lock
+    def _reserve(self) -> str:  # under the lock: a thread counted (idle) before it starts
         self.threads += 1
         self._idle += 1
-        threading.Thread(target=self._serve, name=f"{self.name}_{self.threads - 1}", daemon=True).start()
+        return f"{self.name}_{self.threads - 1}"
+
+    def _start(self, name: str | None) -> None:
+        # Outside the lock, which the loop takes: `start` waits until the thread runs.
+        if name is not None:
+            threading.Thread(target=self._serve, name=name, daemon=True).start()
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             with self._lock:
                 self._idle -= 1
-                if self._idle == 0 and self.threads < self.most and not self._closed:
-                    self._start()  # the next call does not wait behind this one
+                grow = self._idle == 0 and self.threads < self.most and not self._closed
+                name = self._reserve() if grow else None
+            self._start(name)  # the next call does not wait behind this one
             future, fn = job
             if future.set_running_or_notify_cancel():
                 try:
