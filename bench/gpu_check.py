@@ -75,7 +75,7 @@ import torch
 from common import run
 
 import kvtier_async as kt
-from kvtier_async import copy_engine
+from kvtier_async import copy_streams
 from kvtier_async.tiers.memory import MemoryTier
 
 RESULTS: list[tuple[str, str, str]] = []
@@ -528,7 +528,7 @@ async def check_overlap(device: torch.device) -> None:
     block, blocks = 2 << 20, 256  # 512 MiB
     layers = [torch.randint(0, 256, (blocks, block // 4), dtype=torch.uint8, device=device) for _ in range(4)]
     copy_intervals: list[tuple[Any, Any]] = []
-    original_queue = copy_engine._StreamCopies._queue
+    original_queue = copy_streams.StreamCopies._queue
 
     def timed_queue(self: Any, direction: str, *args: Any) -> tuple[Any, int]:
         # On the engine's submit thread, before the chunk's first stream (the gather's, storing)
@@ -542,7 +542,7 @@ async def check_overlap(device: torch.device) -> None:
         copy_intervals.append((begin, end))
         return done, copies
 
-    copy_engine._StreamCopies._queue = timed_queue  # type: ignore[method-assign]
+    copy_streams.StreamCopies._queue = timed_queue  # type: ignore[method-assign]
     try:
         # The tier as fast as the device-to-host copy: measured first, copy only.
         spec = kt.OffloadingSpec(block_nbytes=block, num_cpu_blocks=blocks, namespace="gpu-check-overlap")
@@ -574,7 +574,7 @@ async def check_overlap(device: torch.device) -> None:
             for b, e in copy_intervals
         ]
     finally:
-        copy_engine._StreamCopies._queue = original_queue  # type: ignore[method-assign]
+        copy_streams.StreamCopies._queue = original_queue  # type: ignore[method-assign]
     copying, writing, both = overlap(gpu, ThrottledTier.intervals)
     fraction = both / max(1e-9, min(copying, writing))
     ratio = wall / max(copying, writing)

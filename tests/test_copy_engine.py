@@ -17,15 +17,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvtier_async as kt
-from kvtier_async import copy_engine
-from kvtier_async.copy_engine import CHUNKS_IN_FLIGHT, CopyEngine, _paired_runs, _slot_runs
+from kvtier_async import copy_engine, copy_streams
+from kvtier_async.copy_engine import CHUNKS_IN_FLIGHT, CopyEngine, paired_runs
+from kvtier_async.copy_streams import slot_runs
 from kvtier_async.integrations.bridge import LoopThread
 
 
 def test_runs() -> None:
-    assert _slot_runs([4, 5, 6, 9, 1, 2]) == [(0, 4, 3), (3, 9, 1), (4, 1, 2)]
-    assert _paired_runs([10, 11, 12, 3], [0, 1, 5, 6]) == [(10, 0, 2), (12, 5, 1), (3, 6, 1)]
-    assert _slot_runs([]) == [] and _paired_runs([], []) == []
+    assert slot_runs([4, 5, 6, 9, 1, 2]) == [(0, 4, 3), (3, 9, 1), (4, 1, 2)]
+    assert paired_runs([10, 11, 12, 3], [0, 1, 5, 6]) == [(10, 0, 2), (12, 5, 1), (3, 6, 1)]
+    assert slot_runs([]) == [] and paired_runs([], []) == []
 
 
 def test_gpu_chunks_go_in_slot_order_with_a_cap_on_runs() -> None:
@@ -33,7 +34,7 @@ def test_gpu_chunks_go_in_slot_order_with_a_cap_on_runs() -> None:
     go in slot order (the caller's order costs one copy per block when it runs against the
     slots), and a chunk ends at `step` blocks or at `max_runs` runs (scattered small blocks
     would otherwise queue a launch per block per chunk)."""
-    chunks = copy_engine._slot_ordered_chunks
+    chunks = copy_streams.slot_ordered_chunks
     # Storing: targets are the slots. Listed backwards, still one run.
     assert chunks("to_host", [7, 8, 9], [12, 11, 10], 4, 2) == [([9, 8, 7], [10, 11, 12])]
     slots = [9, 1, 2, 3, 7, 5, 20, 21]  # runs [1-3], [5], [7], [9], [20-21] in slot order
@@ -96,10 +97,11 @@ async def test_cpu_copies_stay_off_torchs_thread_pool(monkeypatch: pytest.Monkey
 
 
 class GatedCopies:
-    """A stand-in for `_StreamCopies` (a unit test of the chunking logic): each chunk's copy
+    """A stand-in for `StreamCopies` (a unit test of the chunking logic): each chunk's copy
     ends when the test says so; `start` can be made to fail at a given chunk, before it queued
     anything or (`part_way`) after it queued part of the chunk."""
 
+    mode = "threads"
     nbytes = 0
     chunks_in_flight = CHUNKS_IN_FLIGHT
 
@@ -481,7 +483,7 @@ async def test_a_cpu_store_zeroes_the_slot_padding_whatever_was_there() -> None:
 
 
 class FakeDriver:
-    """Stands in for libcuda (`_DriverStreams`): streams are numbers; it notes each call with the
+    """Stands in for libcuda (`DriverStreams`): streams are numbers; it notes each call with the
     contexts current then, and which streams are alive."""
 
     CONTEXT = 0xC0
@@ -532,7 +534,7 @@ class FakeDriver:
 
 
 class StandInCuda:
-    """What `_StreamCopies` uses of `torch.cuda` and the driver, on a machine without CUDA (CPU
+    """What `StreamCopies` uses of `torch.cuda` and the driver, on a machine without CUDA (CPU
     tensors, copies that end when they are made): notes, in order, on which thread each stream
     was entered (where the copies are launched), each event recorded and each mark waited for."""
 
@@ -589,7 +591,7 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
         finally:
             cuda.current.stream = 0
 
-    monkeypatch.setattr(copy_engine, "_cuda_driver", lambda: cuda.driver)
+    monkeypatch.setattr(copy_streams, "cuda_driver", lambda: cuda.driver)
 
     class Stream(StandInStream):
         def wait_stream(self, other: StandInStream) -> None:
@@ -610,7 +612,7 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
 async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own(
     stand_in_cuda: StandInCuda,
 ) -> None:
-    """`_StreamCopies` (the GPU path) run on CPU tensors under a stand-in for CUDA: scattered blocks
+    """`StreamCopies` (the GPU path) run on CPU tensors under a stand-in for CUDA: scattered blocks
     in many chunks (each buffer used again) byte-exact both ways, slot padding zeroed whatever
     was there, other blocks untouched, neighbouring slots one copy whatever their order; every
     copy launched on its submit thread, never the loop's; the mark waited for on a thread of its
@@ -623,7 +625,7 @@ async def test_the_stream_path_copies_exactly_off_the_loop_on_streams_of_its_own
     primary.buffer.fill_(0xA5)  # what earlier use (a failed load's disk bytes) left in the slots
     engine = CopyEngine(layers, primary, threads=1)
     engine.staging_blocks = 3  # 10 blocks: chunks of 3, 3, 3 and 1
-    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    backend = copy_streams.StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
     # Opening warmed the kernels on the copy streams (checked in the next test): the rest is
     # about the copies.
     stand_in_cuda.log.clear()
@@ -706,7 +708,7 @@ def test_opening_the_stream_path_warms_every_kernel_without_writing_a_device_blo
 
     monkeypatch.setattr(torch, "index_select", counted_select)
     monkeypatch.setattr(torch.Tensor, "index_copy_", counted_copy)
-    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 24)
+    backend = copy_streams.StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 24)
     assert sorted(gathers) == [1, 1, 16, 16, 24, 24]  # each count for each of the two parts
     assert scatters == [False, False]  # one per part, into scratch rows
     kernel_streams = {backend.streams[f"{d}/kernels"].handle for d in ("to_host", "to_device")}
@@ -718,7 +720,7 @@ def test_opening_the_stream_path_warms_every_kernel_without_writing_a_device_blo
 
 
 def buffers_of(backend: Any) -> list[weakref.ref[torch.Tensor]]:
-    """Weak references to every tensor `_StreamCopies` uses on its copy streams."""
+    """Weak references to every tensor `StreamCopies` uses on its copy streams."""
     return [
         weakref.ref(tensor)
         for name in ("staging", "index_host", "index_device", "scratch")
@@ -738,10 +740,10 @@ def test_closing_the_stream_path_frees_its_buffers_before_it_destroys_their_stre
     spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=8)
     primary = kt.PrimaryTier(spec, pin_memory=False)
     engine = CopyEngine(layers, primary, threads=1)
-    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    backend = copy_streams.StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
     with_backend(engine, backend)
     buffers = buffers_of(backend)
-    assert len(buffers) >= 3 * 2 * copy_engine.GPU_CHUNKS_IN_FLIGHT
+    assert len(buffers) >= 3 * 2 * copy_streams.GPU_CHUNKS_IN_FLIGHT
     driver = stand_in_cuda.driver
     alive_at_destroy: list[int] = []
     driver.before_destroy.append(lambda: alive_at_destroy.append(sum(b() is not None for b in buffers)))
@@ -785,7 +787,7 @@ def test_the_stream_path_allocates_nothing_while_a_copy_stream_is_current(
     primary = kt.PrimaryTier(spec, pin_memory=False)
     engine = CopyEngine(layers, primary, threads=1)
     with Allocations(stand_in_cuda) as allocations:
-        backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+        backend = copy_streams.StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
     assert allocations.made and all(stream == 0 for _, stream in allocations.made), allocations.made
     backend.close()
     engine.close()
@@ -803,7 +805,7 @@ def test_a_stream_path_that_fails_to_open_frees_nothing_its_queued_work_may_stil
     engine = CopyEngine(layers, primary, threads=1)
     buffers: list[weakref.ref[torch.Tensor]] = []
 
-    warm = copy_engine._StreamCopies._warm
+    warm = copy_streams.StreamCopies._warm
 
     def noted_warm(self: Any, staging_blocks: int) -> None:
         buffers.extend(buffers_of(self))  # to see when they are freed
@@ -812,7 +814,7 @@ def test_a_stream_path_that_fails_to_open_frees_nothing_its_queued_work_may_stil
     def failing_scatter(self: torch.Tensor, *args: Any) -> torch.Tensor:
         raise RuntimeError("the scatter's module failed to load")  # the gathers are queued
 
-    monkeypatch.setattr(copy_engine._StreamCopies, "_warm", noted_warm)
+    monkeypatch.setattr(copy_streams.StreamCopies, "_warm", noted_warm)
     monkeypatch.setattr(torch.Tensor, "index_copy_", failing_scatter)
     driver = stand_in_cuda.driver
     alive_at_destroy: list[int] = []
@@ -820,7 +822,7 @@ def test_a_stream_path_that_fails_to_open_frees_nothing_its_queued_work_may_stil
     driver.before_destroy.append(lambda: stand_in_cuda.note("destroy"))
     stand_in_cuda.log.clear()
     with pytest.raises(RuntimeError, match="failed to load"):
-        copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+        copy_streams.StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
     assert buffers and alive_at_destroy == [0] * 4
     events = [w.split()[0] for w, _ in stand_in_cuda.log if w.split()[0] in ("synchronize", "destroy")]
     assert events == ["synchronize"] * 4 + ["destroy"] * 4
@@ -841,10 +843,10 @@ async def test_the_stream_path_makes_and_destroys_no_cuda_object_on_the_loop(
     primary = kt.PrimaryTier(spec, pin_memory=False)
     engine = CopyEngine(layers, primary, threads=1)
     engine.staging_blocks = 3
-    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    backend = copy_streams.StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
     with_backend(engine, backend)
     made_at_open = [what for what, _ in stand_in_cuda.log].count("make event")
-    assert made_at_open == 2 * copy_engine.GPU_CHUNKS_IN_FLIGHT
+    assert made_at_open == 2 * copy_streams.GPU_CHUNKS_IN_FLIGHT
     driver = stand_in_cuda.driver
     driver.before_destroy.append(lambda: stand_in_cuda.note("destroy"))
     stand_in_cuda.log.clear()
@@ -862,7 +864,7 @@ async def test_the_stream_path_makes_and_destroys_no_cuda_object_on_the_loop(
     on_the_loop = [what for what, thread in stand_in_cuda.log if thread == loop_thread]
     assert on_the_loop == ["make event", "record"] * 4, on_the_loop  # the four marks, nothing else
     dropped = [what for what, _ in stand_in_cuda.log if what == "drop event"]
-    assert len(dropped) == 4 + 2 * copy_engine.GPU_CHUNKS_IN_FLIGHT  # the marks, then the ends
+    assert len(dropped) == 4 + 2 * copy_streams.GPU_CHUNKS_IN_FLIGHT  # the marks, then the ends
     assert [what for what, _ in stand_in_cuda.log].count("destroy") == 4
     assert driver.alive == set() and driver.retained == 0
 
@@ -878,7 +880,7 @@ async def test_calls_with_slow_producers_hold_no_other_calls_wait_for_its_mark(
     spec = kt.OffloadingSpec(block_nbytes=904, num_cpu_blocks=16)
     primary = kt.PrimaryTier(spec, pin_memory=False)
     engine = CopyEngine(layers, primary, threads=1)
-    backend = copy_engine._StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
+    backend = copy_streams.StreamCopies(torch.device("cpu"), engine._parts, primary.buffer, 3)
     with_backend(engine, backend)
     produced = threading.Event()
 
@@ -911,7 +913,7 @@ def test_a_driver_call_that_fails_is_the_error_seen_even_when_the_context_pop_fa
     whatever happens, but a failed pop after a failed call must not hide why the call failed
     (a pop that fails after a call that worked is still raised)."""
     driver = stand_in_cuda.driver
-    streams = copy_engine._DriverStreams(torch.device("cpu"))
+    streams = copy_streams.DriverStreams(torch.device("cpu"))
     pop = driver.cuCtxPopCurrent_v2
 
     def failing_pop(out: Any) -> int:
@@ -958,7 +960,7 @@ def test_an_event_never_recorded_is_refused_at_the_call(stub_cuda_marks: type[St
 
 @pytest.mark.asyncio
 async def test_mark_waiters_refuse_calls_once_closed_and_serve_those_queued_before() -> None:
-    waiters = copy_engine._MarkWaiters(2, "kvtier-test-mark")
+    waiters = copy_engine.MarkWaiters(2, "kvtier-test-mark")
     ran: list[int] = []
     await waiters.run(ran.append, 1)
     assert waiters.threads == 2  # the one that ran it left none idle: a second was started
