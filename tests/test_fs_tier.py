@@ -398,6 +398,33 @@ async def test_two_tiers_on_one_root_share_their_blocks(tmp_path: Path) -> None:
             assert await third.contains([h.key_for(0), h.key_for(1)]) == [False, True]
 
 
+@pytest.mark.asyncio
+async def test_a_slab_made_anew_after_gc_is_read_from_its_new_file(tmp_path: Path) -> None:
+    """A reader holds another writer's slab open; `kvtier fs gc` removes that slab once its
+    writer exits, and a new writer makes the same slab number again. The reader's refresh
+    reads the new log, so it must read the new data file too: with the old one it found other
+    bytes where the new log named the block, called it corrupt, and logged a deletion of the
+    new writer's good block, for every process."""
+    old_key, new_key = h.key_for(1), h.key_for(2)
+    writer, primary = h.make_tier(str(tmp_path))
+    async with writer:
+        assert await h.store_keys(writer, primary, [old_key]) == [True]
+    reader, reader_primary = h.make_tier(str(tmp_path), refresh_interval_s=0)
+    async with reader:
+        assert await h.load_and_check(reader, reader_primary, [old_key]) == [True]  # holds the slab
+        (report,) = await asyncio.to_thread(kvtier_async.tiers.fs.admin.gc_root, tmp_path, 0)
+        assert report.removed_bytes > 0 and report.slabs_in_use == 0
+        new_writer, new_primary = h.make_tier(str(tmp_path))
+        async with new_writer:
+            assert await h.store_keys(new_writer, new_primary, [new_key]) == [True]
+            assert new_writer.stats()["slabs"] == 1  # the same number again
+            assert await h.load_and_check(reader, reader_primary, [new_key, old_key]) == [True, False]
+            assert reader.stats()["corrupt_blocks"] == 0
+            third, third_primary = h.make_tier(str(tmp_path))
+            async with third:
+                assert await h.load_and_check(third, third_primary, [new_key]) == [True]
+
+
 def test_bad_config(tmp_path: Path) -> None:
     for kwargs, message in (
         ({"direct_io": "yes"}, "direct_io"),

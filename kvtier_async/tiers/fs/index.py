@@ -58,6 +58,7 @@ class OtherSlab:
     """A slab another process writes, or wrote: read only, its log followed."""
 
     data_fd: int
+    data_inode: int = 0  # the data file's, to tell a slab made anew under the same number
     log_inode: int = 0
     log_offset: int = 0
     newest: int = 0  # the newest entry's sequence number (`RecordIO.next_seq`): the slab's age
@@ -74,7 +75,8 @@ class LogNews:
     entries: list[Entry]
     inode: int
     offset: int
-    data_fd: int | None  # opened for a slab seen for the first time
+    data_fd: int | None  # opened where `reset`: a slab seen for the first time, or made anew
+    data_inode: int = 0  # data_fd's
 
 
 @dataclass(slots=True)
@@ -515,8 +517,15 @@ class SlabIndex:
         if other is None:
             if news.data_fd is None:
                 return None
-            other = self.others[news.slab] = OtherSlab(news.data_fd)
+            other = self.others[news.slab] = OtherSlab(news.data_fd, news.data_inode)
             self.columns[news.slab] = Columns(0, own=False)
+        elif news.data_fd is not None and news.data_inode != other.data_inode:
+            # Made anew under the same number (`kvtier fs gc`, then a new writer): its records
+            # are read from the new data file from now on; reads in flight keep the old one,
+            # closed at their last unpin.
+            other.gone = True
+            to_close = other.data_fd if other.readers == 0 else None
+            other = self.others[news.slab] = OtherSlab(news.data_fd, news.data_inode)
         else:
             to_close = news.data_fd
         if news.reset:

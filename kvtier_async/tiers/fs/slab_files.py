@@ -286,13 +286,20 @@ class SlabFiles:
                 reset = slab not in known or st.st_ino != inode or st.st_size < offset
                 data_fd = None
                 try:
-                    if slab not in known:
+                    if reset:
                         # The data file first: a slab whose data is foreign (skipped, counted)
-                        # costs no read of its log, on this refresh or any later one.
+                        # costs no read of its log, on this refresh or any later one. Opened
+                        # again for a slab we knew whose log is new: `kvtier fs gc` may have
+                        # removed it and a writer made the number anew, and the new log's
+                        # records are in the new data file, not in the one we hold.
                         data_fd = self.path(slab, "kvs").open(os.O_RDONLY | self.data_flags)
                     entries, end, inode = read_log(
                         log_path, 0 if reset else offset, min(budget, self.entries_per_log)
                     )
+                    if inode != st.st_ino:
+                        # Made anew again while we read: the data file opened may not be
+                        # this log's. The next refresh reads both again.
+                        raise FileNotFoundError(log_path)
                 except BaseException as exc:
                     if data_fd is not None:
                         os.close(data_fd)
@@ -304,7 +311,8 @@ class SlabFiles:
                 # Records past what a slab of this capacity holds are not read: misses, and no
                 # index entries for a planted log to multiply.
                 entries = [e for e in entries if e.record < self.slab_records]
-                news.append(LogNews(slab, reset, entries, inode, end, data_fd))
+                data_inode = os.fstat(data_fd).st_ino if data_fd is not None else 0
+                news.append(LogNews(slab, reset, entries, inode, end, data_fd, data_inode))
         except BaseException:
             for item in news:
                 if item.data_fd is not None:
