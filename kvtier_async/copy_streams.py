@@ -200,8 +200,7 @@ class StreamCopies:
                     for part, offset, width in self.parts:
                         part.index_copy_(0, index_device, rows[:, offset : offset + width])
                 last = kernels
-        end = self.ends[direction][buffer]
-        with torch.cuda.device(self.device):
+            end = self.ends[direction][buffer]
             end.record(last)
         return end, copies
 
